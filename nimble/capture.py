@@ -1,0 +1,398 @@
+"""Nimble: ahead-of-time scheduling and multi-stream capture into one CUDA graph.
+
+    fast = Nimble(model)                      # model on CUDA, eval mode
+    fast.prepare(example_input, training=False, use_multi_stream=True)
+    out = fast(x)                             # copies x in, replays one graph
+
+What :meth:`Nimble.prepare` does, in order, and why that order:
+
+1. **Trace** the module twice eagerly (:func:`nimble.trace.trace_graph`). The eager runs
+   also do everything run-time scheduling does once: cuDNN algorithm selection, lazy
+   initialisation, allocator warm-up. Two runs must issue the same ops (static model).
+2. **Plan** streams with :func:`nimble.streams.assign_streams` (one stream when
+   ``use_multi_stream=False``, from the same code path).
+3. **Pre-run** the module uncaptured under :class:`ScheduledMode`, which runs op ``k`` on
+   the stream the plan chose and records/waits events for the plan's syncs. This creates
+   each stream's library handles and workspaces (cuBLAS keeps one per stream) outside
+   capture, and checks the op sequence once more against the trace.
+4. **Capture** the same scheduled run into one ``torch.cuda.CUDAGraph``: every side
+   stream forks from the capture stream when capture begins and is joined back before it
+   ends (or capture fails); event record/wait pairs become graph edges. The graph keeps
+   the DAG, not the stream identities: concurrency is what survives.
+
+Memory safety across streams: the caching allocator ties a block to the stream that
+allocated it. A tensor made on stream A and read on stream B could be freed and handed to
+a new allocation on A while B still reads it. :class:`ScheduledMode` therefore calls
+``record_stream`` for every tensor an op uses on a stream other than the one it was
+allocated on. During capture PyTorch defers the reuse of such blocks until capture ends,
+so cross-stream buffers are never reused inside the graph, while single-stream buffers
+are reused as usual. (The original Nimble reused nothing at all.)
+
+Outputs are static: the tensors returned by a call are overwritten by the next call.
+Pass ``return_copies=True`` to :meth:`Nimble.prepare` to get fresh tensors instead.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .graph import TaskGraph
+from .passes import fold_conv_bn
+from .streams import StreamPlan, assign_streams, critical_path
+from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
+
+__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats"]
+
+
+class NimbleError(RuntimeError):
+    """The module or the call cannot be handled by Nimble; the message says why."""
+
+
+@dataclass
+class PrepareStats:
+    """What ``prepare`` found and built; all sizes in bytes, times in seconds."""
+
+    num_ops: int = 0
+    num_view_ops: int = 0
+    num_edges: int = 0
+    num_streams: int = 1
+    num_syncs: int = 0
+    folded_conv_bn: int = 0
+    prepare_s: float = 0.0
+    plan_s: float = 0.0
+    capture_s: float = 0.0
+    eager_peak_bytes: int = 0
+    graph_pool_bytes: int = 0
+    weights_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def graph_total_bytes(self) -> int:
+        """Weights plus the graph's private pool: the footprint to compare with eager peak."""
+        return self.weights_bytes + self.graph_pool_bytes
+
+
+class ScheduledMode(OpRecorder):
+    """Runs op ``k`` on ``streams[plan.stream_of[k]]`` with the plan's event waits.
+
+    Also checks, op by op, that the run issues the same ops as the traced graph.
+    ``timing_events`` (optional): record one external timing event after every op on the
+    stream, for per-op GPU times in a single-stream profile capture.
+    """
+
+    def __init__(self, graph: TaskGraph, plan: StreamPlan, streams: Sequence[torch.cuda.Stream],
+                 timing_events: list[torch.cuda.Event] | None = None) -> None:
+        super().__init__()
+        self.graph, self.plan, self.streams = graph, plan, list(streams)
+        self.waits: dict[int, list[int]] = {}
+        for u, v in plan.syncs:
+            self.waits.setdefault(v, []).append(u)
+        self.signals = {u for u, _ in plan.syncs}
+        self.events = {u: torch.cuda.Event() for u in self.signals}
+        self.timing_events = timing_events
+
+    def fork(self) -> None:
+        """Every side stream starts after everything queued on the origin stream."""
+        for s in self.streams[1:]:
+            s.wait_stream(self.streams[0])
+
+    def join(self) -> None:
+        """The origin stream waits for every side stream (required before capture ends)."""
+        for s in self.streams[1:]:
+            self.streams[0].wait_stream(s)
+
+    def run_op(self, index, func, args, kwargs):
+        if index is None:                      # metadata only: runs nowhere in particular
+            return func(*args, **kwargs)
+        if index >= self.graph.num_nodes:
+            raise TraceMismatchError(index, "end of run", str(func))
+        stream = self.streams[self.plan.stream_of[index]]
+        for u in self.waits.get(index, ()):
+            stream.wait_event(self.events[u])
+        tensors = _tensors((args, kwargs))
+        with torch.cuda.stream(stream):
+            out = func(*args, **kwargs)
+        # Cross-stream use: keep the block from being reused on its own stream while this
+        # stream may still read or write it (no-op for a tensor of this stream).
+        for t in tensors + _tensors(out):
+            if t.is_cuda:
+                t.record_stream(stream)
+        if index in self.signals:
+            self.events[index].record(stream)
+        if self.timing_events is not None:
+            self.timing_events[index].record(stream)
+        return out
+
+    def record(self, index, func, args, kwargs, ins, read_ids, out) -> None:
+        expected = self.graph.nodes[index]
+        got = (str(func), tuple(tuple(t.shape) for t in ins))
+        if (expected.name, tuple(expected.input_shapes)) != got:
+            raise TraceMismatchError(index, f"{expected.name}{list(expected.input_shapes)}",
+                                     f"{got[0]}{list(got[1])}")
+        # The graph is known: no need to rebuild nodes and edges during capture.
+
+
+class Nimble:
+    """Wraps a CUDA module; :meth:`prepare` captures it, calling the object replays it.
+
+    The official Nimble's usage works as written::
+
+        nimble_model = Nimble(model)
+        nimble_model.prepare(dummy_input, training=False, use_multi_stream=True)
+        output = nimble_model(input)
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Nimble wraps a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.graph: TaskGraph | None = None
+        self.plan: StreamPlan | None = None
+        self.stats = PrepareStats()
+        self._cuda_graph: torch.cuda.CUDAGraph | None = None
+        self._static_inputs: tuple[torch.Tensor, ...] = ()
+        self._static_outputs: list[torch.Tensor] = []
+        self._out_spec = None
+        self._return_copies = False
+        self._streams: list[torch.cuda.Stream] = []
+        self._run_module: nn.Module = module
+
+    # -- prepare ------------------------------------------------------------------------
+    def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
+                use_multi_stream: bool = True, *, fold_bn: bool = True,
+                return_copies: bool = False, max_streams: int | None = None) -> "Nimble":
+        """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
+
+        Args:
+            dummy_input: a CUDA tensor or tuple of CUDA tensors (values are irrelevant).
+            training: ``False`` captures inference. Training capture is not available yet.
+            use_multi_stream: run independent ops on separate streams (Nimble's stream
+                assignment); ``False`` captures everything on one stream.
+            fold_bn: fold Conv2d+BatchNorm2d pairs first (eval mode only; on a copy).
+            return_copies: return fresh output tensors on every call instead of the
+                static ones the next call overwrites.
+            max_streams: cap the number of streams (extra chains are merged round-robin,
+                in chain order; syncs are recomputed so the schedule stays safe).
+        """
+        start = time.perf_counter()
+        inputs = self._check_prepare_args(dummy_input, training)
+        self.stats = PrepareStats()
+        self._return_copies = return_copies
+        module = self.module
+        if fold_bn:
+            module, self.stats.folded_conv_bn = fold_conv_bn(module, inputs)
+        self._run_module = module
+        self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in
+                                       [*module.parameters(), *module.buffers()])
+
+        # 1. trace twice (also the eager warm-up) and measure eager's peak memory
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        graph = trace_graph(module, inputs, check_static=True)
+        torch.cuda.synchronize()
+        self.stats.eager_peak_bytes = torch.cuda.max_memory_allocated() - base \
+            + self.stats.weights_bytes
+        sync_ops = [n for n in graph.nodes if n.host_sync]
+        if sync_ops:
+            n = sync_ops[0]
+            raise NimbleError(
+                f"op #{n.index} ({n.name}) makes the host wait for the GPU (.item(), .cpu(), "
+                f"printing a tensor, data-dependent shapes): it cannot be captured or "
+                f"replayed. Remove host syncs from forward().")
+        self.graph = graph
+
+        # 2. plan
+        t0 = time.perf_counter()
+        self.plan = self._make_plan(graph, use_multi_stream, max_streams)
+        self.stats.plan_s = time.perf_counter() - t0
+        self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
+        self.stats.num_edges = len(graph.edges)
+        self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
+
+        # 3. pre-run on the real streams, 4. capture
+        t0 = time.perf_counter()
+        self._streams = [torch.cuda.Stream() for _ in range(self.plan.num_streams)]
+        self._static_inputs = tuple(x.detach().clone() for x in inputs)
+        self._run_scheduled(capture=None)
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved()
+        out = self._run_scheduled(capture=cuda_graph)
+        torch.cuda.synchronize()
+        self.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        self.stats.capture_s = time.perf_counter() - t0
+        flat, self._out_spec = tree_flatten(out)
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            raise NimbleError("the module must return tensors (or tuples/lists/dicts of them); "
+                              f"got {[type(t).__name__ for t in flat]}")
+        self._static_outputs = flat
+        self._cuda_graph = cuda_graph
+        self.stats.prepare_s = time.perf_counter() - start
+        return self
+
+    def _check_prepare_args(self, dummy_input, training: bool) -> tuple[torch.Tensor, ...]:
+        if training:
+            raise NimbleError("prepare(training=True) is not available yet: Nimble currently "
+                              "captures inference only; use training=False on a module in "
+                              "eval mode.")
+        if not torch.cuda.is_available():
+            raise NimbleError("Nimble needs a CUDA device; torch.cuda.is_available() is False")
+        inputs = as_tuple(dummy_input)
+        if not inputs:
+            raise NimbleError("prepare needs at least one example input tensor")
+        for i, x in enumerate(inputs):
+            if not x.is_cuda:
+                raise NimbleError(f"example input {i} is on {x.device}; Nimble captures CUDA "
+                                  f"work only: move inputs to the GPU (x.cuda())")
+            if x.requires_grad:
+                raise NimbleError(f"example input {i} requires grad; inference capture takes "
+                                  "inputs without requires_grad (use x.detach())")
+        devices = {p.device for p in [*self.module.parameters(), *self.module.buffers()]}
+        if any(d.type != "cuda" for d in devices):
+            raise NimbleError(f"the module has parameters or buffers on {sorted(map(str, devices))}; "
+                              "move it to the GPU first (model.cuda())")
+        if len(devices | {x.device for x in inputs}) > 1:
+            raise NimbleError(f"module and inputs must be on one CUDA device; found "
+                              f"{sorted(map(str, devices | {x.device for x in inputs}))}")
+        if self.module.training:
+            raise NimbleError("the module is in training mode; inference capture needs "
+                              "model.eval() (BatchNorm statistics, dropout)")
+        return inputs
+
+    @staticmethod
+    def _make_plan(graph: TaskGraph, multi: bool, max_streams: int | None) -> StreamPlan:
+        if not multi:
+            return StreamPlan(stream_of=[0] * graph.num_nodes, syncs=[], num_streams=1,
+                              chains=[list(range(graph.num_nodes))], meg_edges=[])
+        plan = assign_streams(graph.num_nodes, graph.edges)
+        if max_streams is not None and plan.num_streams > max_streams:
+            plan = cap_streams(plan, graph, max_streams)
+        return plan
+
+    def _run_scheduled(self, capture: torch.cuda.CUDAGraph | None,
+                       timing_events: list[torch.cuda.Event] | None = None) -> Any:
+        mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events)
+        origin = self._streams[0]
+        origin.wait_stream(torch.cuda.current_stream())
+        if capture is None:
+            with torch.cuda.stream(origin), torch.no_grad():
+                mode.fork()
+                with mode:
+                    out = self._run_module(*self._static_inputs)
+                mode.join()
+            torch.cuda.current_stream().wait_stream(origin)
+            self._check_complete(mode)
+            return out
+        with torch.cuda.graph(capture, stream=origin), torch.no_grad():
+            mode.fork()
+            with mode:
+                out = self._run_module(*self._static_inputs)
+            mode.join()
+        self._check_complete(mode)
+        return out
+
+    def _check_complete(self, mode: ScheduledMode) -> None:
+        seen = sum(1 for r in mode.raw_ops if r >= 0)
+        if seen != self.graph.num_nodes:
+            raise TraceMismatchError(seen, str(self.graph.nodes[seen].name)
+                                     if seen < self.graph.num_nodes else "end of run",
+                                     "end of run")
+
+    # -- replay -------------------------------------------------------------------------
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if self._cuda_graph is None:
+            raise NimbleError("call prepare(example_input) before calling the Nimble object")
+        if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
+            inputs = tuple(inputs[0])
+        self._check_call(inputs)
+        for static, x in zip(self._static_inputs, inputs):
+            if static.data_ptr() != x.data_ptr():
+                static.copy_(x, non_blocking=True)
+        self._cuda_graph.replay()
+        outs = self._static_outputs
+        if self._return_copies:
+            outs = [t.clone() for t in outs]
+        return tree_unflatten(outs, self._out_spec)
+
+    def _check_call(self, inputs: Sequence[Any]) -> None:
+        if len(inputs) != len(self._static_inputs):
+            raise NimbleError(f"prepared for {len(self._static_inputs)} input(s), "
+                              f"called with {len(inputs)}")
+        for i, (want, x) in enumerate(zip(self._static_inputs, inputs)):
+            if not isinstance(x, torch.Tensor):
+                raise NimbleError(f"input {i}: expected a tensor, got {type(x).__name__}")
+            if x.shape != want.shape or x.dtype != want.dtype or x.device != want.device:
+                raise NimbleError(
+                    f"input {i}: prepared for shape {tuple(want.shape)}, {want.dtype} on "
+                    f"{want.device}; called with shape {tuple(x.shape)}, {x.dtype} on "
+                    f"{x.device}. A captured graph is specialised to its input shapes: "
+                    f"prepare another Nimble object for other shapes.")
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream without touching the inputs (benchmarks)."""
+        if self._cuda_graph is None:
+            raise NimbleError("call prepare(example_input) first")
+        self._cuda_graph.replay()
+
+    # -- analysis -----------------------------------------------------------------------
+    def op_times_ms(self, repeats: int = 5) -> list[float]:
+        """GPU time of every op: a single-stream profile capture with a timing event per op.
+
+        The profile graph runs the ops back to back with no host gaps, so the time between
+        consecutive events is the op's own kernel time (plus one event record). Median
+        over ``repeats`` replays.
+        """
+        if self.graph is None:
+            raise NimbleError("call prepare(example_input) first")
+        n = self.graph.num_nodes
+        plan, streams = self.plan, self._streams
+        self.plan = StreamPlan([0] * n, [], 1, [list(range(n))], [])
+        self._streams = [torch.cuda.Stream()]
+        try:
+            events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(n)]
+            start = torch.cuda.Event(enable_timing=True, external=True)
+            self._run_scheduled(capture=None)            # warm this stream's handles
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            origin = self._streams[0]
+            with torch.cuda.graph(g, stream=origin), torch.no_grad():
+                start.record(origin)
+                with ScheduledMode(self.graph, self.plan, self._streams, events):
+                    self._run_module(*self._static_inputs)
+            samples = []
+            for _ in range(repeats):
+                g.replay()
+                torch.cuda.synchronize()
+                marks = [start] + events
+                samples.append([marks[i].elapsed_time(marks[i + 1]) for i in range(n)])
+            del g
+            return [sorted(col)[len(col) // 2] for col in zip(*samples)]
+        finally:
+            self.plan, self._streams = plan, streams
+
+    def critical_path_ms(self, op_times: Sequence[float] | None = None) -> float:
+        """Sum of single-stream op times along the heaviest dependency path: the limit."""
+        times = list(op_times) if op_times is not None else self.op_times_ms()
+        weight, _ = critical_path(self.graph.num_nodes, self.graph.edges, times)
+        return weight
+
+
+def cap_streams(plan: StreamPlan, graph: TaskGraph, max_streams: int) -> StreamPlan:
+    """Fold chains onto at most ``max_streams`` streams; syncs = cross-stream edges.
+
+    A stream runs its ops in index order, so putting two chains on one stream only adds
+    ordering (never breaks a dependency); every edge that now crosses streams becomes a
+    sync, which keeps the schedule safe. Concurrency is no longer maximal.
+    """
+    if max_streams < 1:
+        raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+    stream_of = [s % max_streams for s in plan.stream_of]
+    syncs = sorted({(u, v) for u, v in graph.edges if stream_of[u] != stream_of[v]})
+    return StreamPlan(stream_of=stream_of, syncs=syncs, num_streams=max_streams,
+                      chains=plan.chains, meg_edges=plan.meg_edges)
