@@ -1,0 +1,87 @@
+"""The parts of nimble.capture and nimble.passes that run without a GPU."""
+import pytest
+import timm
+import torch
+import torchvision
+from torch import nn
+
+from nimble import Nimble, NimbleError
+from nimble.capture import cap_streams
+from nimble.passes import fold_conv_bn
+from nimble.racecheck import find_races
+from nimble.streams import assign_streams
+from nimble.trace import trace_graph
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_fold_conv_bn_torchvision_matches_and_leaves_original():
+    m = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 64, 64)
+    # non-trivial BN statistics, or folding is a no-op numerically
+    for bn in (mod for mod in m.modules() if isinstance(mod, nn.BatchNorm2d)):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.data.uniform_(0.5, 1.5)
+    folded, n = fold_conv_bn(m, x)
+    assert n == 20                                   # every conv of resnet18 has its own BN
+    assert sum(isinstance(mod, nn.BatchNorm2d) for mod in m.modules()) == 20   # original intact
+    assert not any(isinstance(mod, nn.BatchNorm2d) for mod in folded.modules())
+    with torch.no_grad():
+        assert rel_err(folded(x), m(x)) < 1e-5
+    g = trace_graph(folded, x)
+    assert not any("batch_norm" in node.name for node in g.nodes)
+
+
+def test_fold_conv_bn_timm_keeps_fused_activation():
+    m = timm.create_model("efficientnet_b0", pretrained=False).eval()
+    x = torch.randn(1, 3, 64, 64)
+    folded, n = fold_conv_bn(m, x)
+    assert n > 40
+    with torch.no_grad():
+        assert rel_err(folded(x), m(x)) < 1e-4
+
+
+def test_conv_output_used_twice_is_not_folded():
+    class TwoUsers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn(y) + y
+    m = TwoUsers().eval()
+    folded, n = fold_conv_bn(m, torch.randn(1, 3, 8, 8))
+    assert n == 0 and isinstance(folded.bn, nn.BatchNorm2d)
+
+
+def test_fold_needs_eval_mode():
+    with pytest.raises(ValueError, match="eval mode"):
+        fold_conv_bn(torchvision.models.resnet18(), torch.randn(1, 3, 32, 32))
+
+
+def test_capped_plan_is_race_free():
+    m = torchvision.models.googlenet(aux_logits=False, init_weights=True).eval()
+    g = trace_graph(m, torch.randn(1, 3, 64, 64))
+    plan = assign_streams(g.num_nodes, g.edges)
+    assert plan.num_streams > 2
+    capped = cap_streams(plan, g, 2)
+    assert set(capped.stream_of) == {0, 1}
+    assert find_races(g, capped.stream_of, capped.syncs, trials=20) == []
+    assert find_races(g, plan.stream_of, plan.syncs, trials=20) == []
+
+
+def test_wrapping_and_call_order_errors():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        Nimble(lambda x: x)
+    with pytest.raises(NimbleError, match="call prepare"):
+        Nimble(nn.ReLU())(torch.randn(2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error path")
+def test_prepare_without_cuda_says_so():
+    with pytest.raises(NimbleError, match="needs a CUDA device"):
+        Nimble(nn.ReLU().eval()).prepare(torch.randn(2))

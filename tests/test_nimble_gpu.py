@@ -1,0 +1,140 @@
+"""Nimble inference capture on CUDA: equality with eager, errors, memory. GPU only."""
+import pytest
+import torch
+from torch import nn
+
+from experiments.models import ANALYSIS_SET, build_model, example_input
+from nimble import Nimble, NimbleError, TraceMismatchError
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# TF32 off for the comparison; the remaining difference comes from conv+BN folding,
+# cuDNN picking other algorithms under capture, and summation order: stated tolerance
+# is a relative L2 error of 1e-4 (fp32 arithmetic itself lands near 1e-6).
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def strict_fp32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("name", ANALYSIS_SET)
+def test_multi_stream_matches_eager_over_fresh_inputs(name, batch):
+    model = build_model(name).cuda().eval()
+    fast = Nimble(model).prepare(example_input(name, batch, "cuda"), use_multi_stream=True)
+    for seed in range(3):
+        x = example_input(name, batch, "cuda")
+        torch.manual_seed(seed)
+        x.normal_()
+        with torch.no_grad():
+            ref = model(x)
+        out = fast(x)
+        assert out.shape == ref.shape
+        assert rel_err(out, ref) < TOL, (name, batch, seed)
+    assert fast.stats.graph_total_bytes <= 1.2 * fast.stats.eager_peak_bytes, fast.stats
+
+
+def test_single_stream_same_code_path():
+    model = build_model("inception_v3").cuda().eval()
+    x = example_input("inception_v3", 1, "cuda")
+    single = Nimble(model).prepare(x, use_multi_stream=False)
+    multi = Nimble(model).prepare(x, use_multi_stream=True)
+    assert single.stats.num_streams == 1 and multi.stats.num_streams > 1
+    assert rel_err(single(x), multi(x)) < TOL
+
+
+class TwoOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        return {"a": self.a(x), "b": (self.b(y), x.sum())}
+
+
+def test_tuple_inputs_dict_outputs_and_copies():
+    m = TwoOut().cuda().eval()
+    x, y = torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda")
+    fast = Nimble(m).prepare((x, y))
+    out = fast(x, y)
+    assert set(out) == {"a", "b"} and torch.allclose(out["a"], m(x, y)["a"], atol=1e-6)
+    first = out["a"]
+    fast(2 * x, y)
+    assert torch.allclose(first, m(2 * x, y)["a"], atol=1e-6)   # static output overwritten
+    copying = Nimble(m).prepare((x, y), return_copies=True)
+    kept = copying(x, y)["a"]
+    copying(2 * x, y)
+    assert torch.allclose(kept, m(x, y)["a"], atol=1e-6)        # copy kept
+
+
+def test_wrong_call_inputs_are_rejected():
+    m = nn.Linear(8, 4).cuda().eval()
+    fast = Nimble(m).prepare(torch.randn(2, 8, device="cuda"))
+    with pytest.raises(NimbleError, match=r"prepared for shape \(2, 8\).*called with shape \(3, 8\)"):
+        fast(torch.randn(3, 8, device="cuda"))
+    with pytest.raises(NimbleError, match="torch.float16"):
+        fast(torch.randn(2, 8, device="cuda", dtype=torch.float16))
+    with pytest.raises(NimbleError, match="cpu"):
+        fast(torch.randn(2, 8))
+    with pytest.raises(NimbleError, match="called with 2"):
+        fast(torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda"))
+
+
+def test_bad_prepare_arguments():
+    with pytest.raises(NimbleError, match="move it to the GPU"):
+        Nimble(nn.Linear(8, 4).eval()).prepare(torch.randn(2, 8, device="cuda"))
+    with pytest.raises(NimbleError, match="move inputs to the GPU"):
+        Nimble(nn.Linear(8, 4).cuda().eval()).prepare(torch.randn(2, 8))
+    with pytest.raises(NimbleError, match="model.eval"):
+        Nimble(nn.Linear(8, 4).cuda()).prepare(torch.randn(2, 8, device="cuda"))
+    with pytest.raises(NimbleError, match="not available yet"):
+        Nimble(nn.Linear(8, 4).cuda()).prepare(torch.randn(2, 8, device="cuda"), training=True)
+
+
+class HostSync(nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+class Prints(nn.Module):
+    def forward(self, x):
+        print(x)
+        return x + 1
+
+
+class Branches(nn.Module):
+    calls = 0
+
+    def forward(self, x):
+        Branches.calls += 1
+        return x.relu() if Branches.calls % 2 else x.sigmoid()
+
+
+@pytest.mark.parametrize("module", [HostSync(), Prints()])
+def test_host_syncs_are_refused_before_capture(module, capsys):
+    with pytest.raises(NimbleError, match="makes the host wait"):
+        Nimble(module.cuda().eval()).prepare(torch.randn(4, device="cuda"))
+
+
+def test_data_dependent_path_is_refused():
+    with pytest.raises(TraceMismatchError, match="op #0"):
+        Nimble(Branches().cuda().eval()).prepare(torch.randn(4, device="cuda"))
+
+
+def test_op_times_and_critical_path():
+    model = build_model("googlenet").cuda().eval()
+    fast = Nimble(model).prepare(example_input("googlenet", 1, "cuda"))
+    times = fast.op_times_ms()
+    assert len(times) == fast.graph.num_nodes and all(t >= 0 for t in times)
+    cp = fast.critical_path_ms(times)
+    assert 0 < cp <= sum(times)
