@@ -22,11 +22,11 @@ What :meth:`Nimble.prepare` does, in order, and why that order:
 
 Memory safety across streams: the caching allocator ties a block to the stream that
 allocated it. A tensor made on stream A and read on stream B could be freed and handed to
-a new allocation on A while B still reads it. :class:`ScheduledMode` therefore calls
-``record_stream`` for every tensor an op uses on a stream other than the one it was
-allocated on. During capture PyTorch defers the reuse of such blocks until capture ends,
-so cross-stream buffers are never reused inside the graph, while single-stream buffers
-are reused as usual. (The original Nimble reused nothing at all.)
+a new allocation on A while B still reads it. :class:`ScheduledMode` keeps such tensors
+alive until stream A is ordered after every foreign use (vector clocks over the plan's
+events), then lets them go, so memory is reused inside the graph as in eager mode and
+never while another stream may still touch it. (The original Nimble reused nothing;
+``record_stream`` would defer every cross-stream block to the end of capture.)
 
 Outputs are static: the tensors returned by a call are overwritten by the next call.
 Pass ``return_copies=True`` to :meth:`Nimble.prepare` to get fresh tensors instead.
@@ -66,7 +66,8 @@ class PrepareStats:
     prepare_s: float = 0.0
     plan_s: float = 0.0
     capture_s: float = 0.0
-    eager_peak_bytes: int = 0
+    eager_peak_bytes: int = 0        # weights + eager's peak of allocated activations
+    eager_reserved_bytes: int = 0    # weights + what eager's caching allocator reserved
     graph_pool_bytes: int = 0
     weights_bytes: int = 0
     notes: list[str] = field(default_factory=list)
@@ -83,6 +84,16 @@ class ScheduledMode(OpRecorder):
     Also checks, op by op, that the run issues the same ops as the traced graph.
     ``timing_events`` (optional): record one external timing event after every op on the
     stream, for per-op GPU times in a single-stream profile capture.
+
+    Memory across streams (the hazard, and how it is avoided): the caching allocator
+    hands a freed block only to later allocations *on the stream that allocated it*, in
+    that stream's order. A tensor allocated on stream A and used by op v on stream B must
+    therefore not be freed until A is ordered after v, or A's next allocation could
+    overwrite it while B still reads it. This mode keeps a reference to every such
+    cross-stream tensor and drops it only once A has waited (through the plan's events)
+    on an event recorded at or after v. "Ordered after" is tracked with vector clocks:
+    ``clock[a][b]`` is the last op of stream b that stream a is known to follow. Tensors
+    used on one stream only are freed and reused as in eager mode.
     """
 
     def __init__(self, graph: TaskGraph, plan: StreamPlan, streams: Sequence[torch.cuda.Stream],
@@ -95,35 +106,73 @@ class ScheduledMode(OpRecorder):
         self.signals = {u for u, _ in plan.syncs}
         self.events = {u: torch.cuda.Event() for u in self.signals}
         self.timing_events = timing_events
+        k = len(self.streams)
+        self.clock = [[-1] * k for _ in range(k)]
+        self.event_clock: dict[int, list[int]] = {}
+        self.alloc_stream: dict[int, int] = {}          # storage id -> stream (-1: outside)
+        self.pending: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(k)]
 
     def fork(self) -> None:
         """Every side stream starts after everything queued on the origin stream."""
-        for s in self.streams[1:]:
+        for i, s in enumerate(self.streams[1:], start=1):
             s.wait_stream(self.streams[0])
+            self._merge_clock(i, self.clock[0])
 
     def join(self) -> None:
         """The origin stream waits for every side stream (required before capture ends)."""
-        for s in self.streams[1:]:
+        for i, s in enumerate(self.streams[1:], start=1):
             self.streams[0].wait_stream(s)
+            self._merge_clock(0, self.clock[i])
+        for refs in self.pending:                        # everything is ordered now
+            refs.clear()
+
+    def _merge_clock(self, stream: int, other: list[int]) -> None:
+        mine = self.clock[stream]
+        for b, v in enumerate(other):
+            if v > mine[b]:
+                mine[b] = v
+
+    def _release(self, a: int) -> None:
+        """Drop the references to tensors of stream ``a`` whose foreign uses ``a`` follows."""
+        known = self.clock[a]
+        self.pending[a] = [(t, b, v) for t, b, v in self.pending[a] if known[b] < v]
+
+    def _current_index(self) -> int:
+        current = torch.cuda.current_stream()
+        return next((i for i, s in enumerate(self.streams) if s == current), -1)
 
     def run_op(self, index, func, args, kwargs):
-        if index is None:                      # metadata only: runs nowhere in particular
-            return func(*args, **kwargs)
+        ins = [t for t in _tensors((args, kwargs)) if t.is_cuda]
+        for t in ins:                                    # first seen as an input: not ours
+            self.alloc_stream.setdefault(self.storage_id(t), -1)
+        if index is None:                                # metadata only (views, allocs)
+            out = func(*args, **kwargs)
+            here = self._current_index()
+            for t in _tensors(out):
+                if t.is_cuda:
+                    self.alloc_stream.setdefault(self.storage_id(t), here)
+            return out
         if index >= self.graph.num_nodes:
             raise TraceMismatchError(index, "end of run", str(func))
-        stream = self.streams[self.plan.stream_of[index]]
+        s = self.plan.stream_of[index]
+        stream = self.streams[s]
         for u in self.waits.get(index, ()):
             stream.wait_event(self.events[u])
-        tensors = _tensors((args, kwargs))
+            self._merge_clock(s, self.event_clock[u])
+        self._release(s)                                 # before this op allocates on s
         with torch.cuda.stream(stream):
             out = func(*args, **kwargs)
-        # Cross-stream use: keep the block from being reused on its own stream while this
-        # stream may still read or write it (no-op for a tensor of this stream).
-        for t in tensors + _tensors(out):
-            if t.is_cuda:
-                t.record_stream(stream)
+        outs = [t for t in _tensors(out) if t.is_cuda]
+        for t in outs:
+            self.alloc_stream.setdefault(self.storage_id(t), s)
+        for t in ins + outs:
+            a = self.alloc_stream[self.storage_id(t)]
+            if a >= 0 and a != s:
+                self.pending[a].append((t, s, index))
+        self.clock[s][s] = index
         if index in self.signals:
             self.events[index].record(stream)
+            self.event_clock[index] = list(self.clock[s])
         if self.timing_events is not None:
             self.timing_events[index].record(stream)
         return out
@@ -192,11 +241,14 @@ class Nimble:
 
         # 1. trace twice (also the eager warm-up) and measure eager's peak memory
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         graph = trace_graph(module, inputs, check_static=True)
         torch.cuda.synchronize()
         self.stats.eager_peak_bytes = torch.cuda.max_memory_allocated() - base \
+            + self.stats.weights_bytes
+        self.stats.eager_reserved_bytes = torch.cuda.max_memory_reserved() - base_reserved \
             + self.stats.weights_bytes
         sync_ops = [n for n in graph.nodes if n.host_sync]
         if sync_ops:
@@ -222,6 +274,9 @@ class Nimble:
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
         cuda_graph = torch.cuda.CUDAGraph()
+        # The graph's private pool starts empty; what it reserves during capture is the
+        # graph's memory (torch.cuda.graph also empties the cache on entry).
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         out = self._run_scheduled(capture=cuda_graph)
         torch.cuda.synchronize()
@@ -281,11 +336,26 @@ class Nimble:
         origin = self._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
         if capture is None:
-            with torch.cuda.stream(origin), torch.no_grad():
-                mode.fork()
-                with mode:
-                    out = self._run_module(*self._static_inputs)
-                mode.join()
+            # Host syncs the trace cannot see (printing a tensor runs with dispatch modes
+            # disabled) would break capture: make any synchronizing CUDA call an error here,
+            # in the uncaptured pre-run, where failing leaves nothing half-captured.
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.cuda.stream(origin), torch.no_grad():
+                    mode.fork()
+                    with mode:
+                        out = self._run_module(*self._static_inputs)
+                    mode.join()
+            except RuntimeError as e:
+                if "synchronizing CUDA operation" not in str(e):
+                    raise
+                raise NimbleError(
+                    "the module makes the host wait for the GPU during forward() (.item(), "
+                    ".cpu(), .tolist(), printing a tensor, data-dependent shapes): it cannot "
+                    f"be captured or replayed. Remove host syncs from forward(). ({e})") from e
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.current_stream().wait_stream(origin)
             self._check_complete(mode)
             return out
@@ -298,7 +368,7 @@ class Nimble:
         return out
 
     def _check_complete(self, mode: ScheduledMode) -> None:
-        seen = sum(1 for r in mode.raw_ops if r >= 0)
+        seen = mode.num_ops
         if seen != self.graph.num_nodes:
             raise TraceMismatchError(seen, str(self.graph.nodes[seen].name)
                                      if seen < self.graph.num_nodes else "end of run",
@@ -372,7 +442,8 @@ class Nimble:
                 marks = [start] + events
                 samples.append([marks[i].elapsed_time(marks[i + 1]) for i in range(n)])
             del g
-            return [sorted(col)[len(col) // 2] for col in zip(*samples)]
+            gap = _event_gap_ms(origin)
+            return [max(0.0, sorted(col)[len(col) // 2] - gap) for col in zip(*samples)]
         finally:
             self.plan, self._streams = plan, streams
 
@@ -381,6 +452,24 @@ class Nimble:
         times = list(op_times) if op_times is not None else self.op_times_ms()
         weight, _ = critical_path(self.graph.num_nodes, self.graph.edges, times)
         return weight
+
+
+def _event_gap_ms(stream: torch.cuda.Stream, count: int = 101) -> float:
+    """GPU time between two timing events recorded back to back inside a graph.
+
+    Each op's profiled time includes one event record; this is subtracted from it.
+    """
+    events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(count)]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        for e in events:
+            e.record(stream)
+    gaps = []
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        gaps.append(events[0].elapsed_time(events[-1]) / (count - 1))
+    return sorted(gaps)[1]
 
 
 def cap_streams(plan: StreamPlan, graph: TaskGraph, max_streams: int) -> StreamPlan:

@@ -120,6 +120,7 @@ class OpRecorder(TorchDispatchMode):
         self.nodes: list[OpNode] = []
         self.edges: set[tuple[int, int]] = set()
         self.raw_ops: list[int] = []          # per op seen: node index, or -1 for metadata-only
+        self.num_ops = 0                      # non-view ops seen so far (next node index)
         self.num_view_ops = 0
         self.phase = "forward"
         self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
@@ -162,7 +163,8 @@ class OpRecorder(TorchDispatchMode):
             self.raw_ops.append(-1)
             self.num_view_ops += 1
             return self.run_op(None, func, args, kwargs)
-        index = len(self.nodes)
+        index = self.num_ops
+        self.num_ops += 1
         self.raw_ops.append(index)
         ins = _tensors((args, kwargs))
         read_ids = self.storage_ids(ins)
