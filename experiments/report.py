@@ -1,0 +1,510 @@
+"""The report: tables, plots and claim verdicts derived from the raw rows, never edited by hand.
+
+    python -m experiments.report                 # every results/<gpu>/ folder found
+    python -m experiments.report --gpu h200      # one GPU
+
+Reads ``results/<gpu>/*.csv`` (rows of :mod:`experiments.store`), ``results/analysis/streams.csv``
+(the stream analysis) and ``results/paper/*.csv`` (the papers' figures as data) and writes
+``results/<gpu>/report.md`` with PNG plots beside it.
+
+Smoke rows — CPU runs, or fewer warm-ups / timed iterations than the protocol (timing=quick) —
+appear in tables marked ``*`` but never decide a claim's verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Iterable
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from experiments.store import COLUMNS, KEY_COLUMNS
+
+__all__ = [
+    "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
+    "settings", "gpu_dirs", "md_table",
+    "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
+    "write_report", "main",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOT_GPU_DIRS = {"paper", "analysis"}
+PROTOCOL_WARMUP, PROTOCOL_ITERS = 50, 200  # conf/timing/default.yaml; fewer = smoke
+NUMERIC = ["batch_size", "median_ms", "p10_ms", "p90_ms", "mean_ms", "std_ms", "wall_ms", "warmup",
+           "iters", "prepare_s", "peak_mem_mb", "graph_mem_mb"]
+GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each other
+# Bar order in plots and columns in tables: baselines first, this project last.
+BACKEND_ORDER = ["eager", "torchscript", "onnxruntime", "inductor", "cudagraph", "inductor-cudagraphs",
+                 "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble"]
+
+
+# --------------------------------------------------------------------------- loading
+
+def gpu_dirs(results_dir: str | Path) -> list[Path]:
+    """The ``results/<gpu>/`` folders that hold result CSVs (not ``paper/`` or ``analysis/``)."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir()
+                  if d.is_dir() and d.name not in NOT_GPU_DIRS and any(d.glob("*.csv")))
+
+
+def _is_smoke(df: pd.DataFrame) -> pd.Series:
+    return ((df["device"] != "cuda") | (df["warmup"].fillna(0) < PROTOCOL_WARMUP)
+            | (df["iters"].fillna(0) < PROTOCOL_ITERS))
+
+
+def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
+    """All rows of one GPU folder, typed, one per measurement key, with a ``smoke`` column.
+
+    When a key was measured more than once (``redo=true``), a full-protocol row wins over a
+    smoke row and, among equals, the last appended wins. Files that are not result CSVs are
+    skipped.
+    """
+    frames = []
+    for path in sorted(Path(gpu_dir).glob("*.csv")):
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+        if list(df.columns) != COLUMNS:
+            continue
+        frames.append(df)
+    if not frames:
+        return pd.DataFrame(columns=COLUMNS + ["smoke"])
+    df = pd.concat(frames, ignore_index=True)
+    for col in NUMERIC:
+        df[col] = pd.to_numeric(df[col], errors="coerce")
+    df["batch_size"] = df["batch_size"].astype("Int64")
+    df["smoke"] = _is_smoke(df)
+    df["_order"] = np.arange(len(df))
+    df = df.sort_values(["smoke", "_order"], ascending=[False, True])
+    df = df.drop_duplicates(subset=list(KEY_COLUMNS), keep="last")
+    return df.sort_values("_order").drop(columns="_order").reset_index(drop=True)
+
+
+def _read_csv(path: Path) -> pd.DataFrame | None:
+    return pd.read_csv(path) if path.exists() else None
+
+
+# --------------------------------------------------------------------------- derived tables
+
+def speedups(df: pd.DataFrame, baseline: str = "eager") -> pd.DataFrame:
+    """Per ok row: ``speedup`` = baseline median / row median within the same experiment, mode,
+    model and batch size. ``smoke`` is set if either row is a smoke row."""
+    ok = df[df["status"] == "ok"]
+    base = ok[ok["backend"] == baseline][GROUP + ["median_ms", "smoke"]]
+    merged = ok.merge(base, on=GROUP, suffixes=("", "_base"))
+    merged["speedup"] = merged["median_ms_base"] / merged["median_ms"]
+    merged["smoke"] = merged["smoke"] | merged["smoke_base"]
+    return merged[GROUP + ["backend", "median_ms", "median_ms_base", "speedup", "smoke"]]
+
+
+def _ordered(backends: Iterable[str]) -> list[str]:
+    backends = list(dict.fromkeys(backends))
+    known = [b for b in BACKEND_ORDER if b in backends]
+    return known + sorted(b for b in backends if b not in BACKEND_ORDER)
+
+
+def _cell(row: pd.Series | None, value: str) -> str:
+    if row is None:
+        return ""
+    if row["status"] == "unavailable":
+        return "n/a"
+    if row["status"] == "error":
+        return "error"
+    return value + ("*" if row["smoke"] else "")
+
+
+def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
+    """Model × backend: ``median (p10–p90)`` in ms; ``n/a`` unavailable, ``error``, ``*`` smoke."""
+    sel = df[(df["experiment"] == experiment) & (df["mode"] == mode) & (df["batch_size"] == batch_size)]
+    backends = _ordered(sel["backend"])
+    out = []
+    for model, rows in sel.groupby("model", sort=False):
+        by = {r["backend"]: r for _, r in rows.iterrows()}
+        line = {"model": model}
+        for b in backends:
+            r = by.get(b)
+            line[b] = _cell(r, "" if r is None or r["status"] != "ok" else
+                            f"{r['median_ms']:.3f} ({r['p10_ms']:.3f}–{r['p90_ms']:.3f})")
+        out.append(line)
+    return pd.DataFrame(out, columns=["model"] + backends)
+
+
+def speedup_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
+    """Model × backend: speedup over eager (``x``), with the same markers as the latency table."""
+    sel = df[(df["experiment"] == experiment) & (df["mode"] == mode) & (df["batch_size"] == batch_size)]
+    sp = speedups(sel)
+    backends = [b for b in _ordered(sel["backend"]) if b != "eager"]
+    out = []
+    for model, rows in sel.groupby("model", sort=False):
+        by = {r["backend"]: r for _, r in rows.iterrows()}
+        spm = sp[sp["model"] == model].set_index("backend")["speedup"]
+        line = {"model": model}
+        for b in backends:
+            r = by.get(b)
+            value = f"{spm[b]:.2f}x" if b in spm.index else "no eager row"
+            line[b] = _cell(r, value)
+        out.append(line)
+    return pd.DataFrame(out, columns=["model"] + backends)
+
+
+def paper_comparison(df: pd.DataFrame, paper: pd.DataFrame, experiment: str, mode: str) -> pd.DataFrame:
+    """Per model and batch: each paper system's V100 speedup beside ours for the matching backend.
+
+    Columns ``<system> paper`` (``~`` = estimated from bar height) and ``<system> ours (<backend>)``
+    (``*`` = smoke; a status when the backend did not run; empty when not measured).
+    """
+    sel = df[(df["experiment"] == experiment) & (df["mode"] == mode)]
+    sp = speedups(sel)
+    out: dict[tuple, dict] = {}
+    for _, p in paper.iterrows():
+        at = (sel["model"] == p["model"]) & (sel["backend"] == p["backend"]) & (sel["batch_size"] == p["batch_size"])
+        mine = sp[(sp["model"] == p["model"]) & (sp["backend"] == p["backend"])
+                  & (sp["batch_size"] == p["batch_size"])]
+        if len(mine):
+            ours = f"{mine['speedup'].iloc[0]:.2f}x" + ("*" if mine["smoke"].iloc[0] else "")
+        else:
+            ours = sel[at]["status"].iloc[0] if at.any() else ""
+        est = "~" if str(p["estimated"]).lower() == "true" else ""
+        line = out.setdefault((p["model"], p["batch_size"]), {"model": p["model"], "batch": p["batch_size"]})
+        line[f"{p['system']} paper"] = f"{est}{p['speedup_over_pytorch']:.2f}x"
+        line[f"{p['system']} ours ({p['backend']})"] = ours
+    return pd.DataFrame(list(out.values()))
+
+
+# --------------------------------------------------------------------------- claims
+
+def _pick(df: pd.DataFrame, claim: pd.Series, backend: str) -> pd.DataFrame:
+    sel = df[(df["experiment"] == claim["experiment"]) & (df["mode"] == claim["mode"])
+             & (df["batch_size"] == int(claim["batch_size"])) & (df["backend"] == backend)]
+    return sel if claim["model"] == "*" else sel[sel["model"] == claim["model"]]
+
+
+def _why_not(rows: pd.DataFrame, backend: str) -> str | None:
+    """Why these rows cannot decide a claim, or None if a full-protocol ok row is there."""
+    if rows.empty:
+        return f"no rows for {backend}"
+    bad = rows[rows["status"] != "ok"]
+    if len(bad) == len(rows):
+        r = bad.iloc[0]
+        return f"{backend} {r['status']}: {r['reason']}"
+    if rows[rows["status"] == "ok"]["smoke"].all():
+        return f"only smoke rows for {backend} (CPU or quick timing)"
+    return None
+
+
+def _verdict(df: pd.DataFrame, claim: pd.Series) -> tuple[float | None, str, str]:
+    """(our value, verdict, note) for one claim row of ``nimble_claims.csv``."""
+    target, cmp = float(claim["value"]), claim["comparison"]
+    rows = _pick(df, claim, claim["backend"])
+    why = _why_not(rows, claim["backend"])
+    if claim["metric"] == "max_prepare_s":
+        if why:
+            return None, "not measured", why
+        ok = rows[(rows["status"] == "ok") & ~rows["smoke"]]
+        worst = ok.loc[ok["prepare_s"].idxmax()]
+        ours, note = float(worst["prepare_s"]), f"slowest: {worst['model']} of {len(ok)} model(s)"
+    elif claim["metric"] == "speedup":
+        base = _pick(df, claim, claim["baseline"])
+        why = why or _why_not(base, claim["baseline"])
+        if why:
+            return None, "not measured", why
+        a = rows[(rows["status"] == "ok") & ~rows["smoke"]].iloc[0]
+        b = base[(base["status"] == "ok") & ~base["smoke"]].iloc[0]
+        ours = float(b["median_ms"] / a["median_ms"])
+        note = f"{claim['baseline']} {b['median_ms']:.3f} ms / {claim['backend']} {a['median_ms']:.3f} ms"
+    else:
+        raise ValueError(f"claim {claim['claim_id']}: unknown metric {claim['metric']!r}; "
+                         "expected speedup or max_prepare_s")
+    met = ours >= target if cmp == ">=" else ours <= target
+    return ours, "reproduced" if met else "not reproduced", note
+
+
+def claim_verdicts(df: pd.DataFrame, claims: pd.DataFrame) -> pd.DataFrame:
+    """One line per claim: the paper's figure, ours, and reproduced / not reproduced / not measured."""
+    out = []
+    for _, c in claims.iterrows():
+        ours, verdict, note = _verdict(df, c)
+        unit = " s" if c["metric"] == "max_prepare_s" else "x"
+        out.append({"claim": c["claim_id"], "text": c["text"], "setting": c["setting"],
+                    "paper": f"{c['comparison']} {float(c['value']):g}{unit}",
+                    "ours": "" if ours is None else f"{ours:.2f}{unit}", "verdict": verdict,
+                    "note": note, "provenance": c["provenance"]})
+    return pd.DataFrame(out)
+
+
+# --------------------------------------------------------------------------- plots
+
+def _prefer_full(sp: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Full-protocol rows if there are any, else the smoke rows (and say so in the title)."""
+    full = sp[~sp["smoke"]]
+    return (full, "") if len(full) else (sp, " (smoke rows: CPU / quick timing)")
+
+
+def plot_inference_speedup(df: pd.DataFrame, paper: pd.DataFrame | None = None,
+                           batch_size: int = 1) -> Figure | None:
+    """Grouped bars: speedup over eager per model and backend (the paper's inference figure),
+    with the paper's V100 Nimble bars as markers. None when there is nothing to plot."""
+    sp = speedups(df[(df["experiment"] == "inference") & (df["batch_size"] == batch_size)])
+    sp, note = _prefer_full(sp[sp["backend"] != "eager"])
+    if sp.empty:
+        return None
+    models = list(dict.fromkeys(sp["model"]))
+    backends = _ordered(sp["backend"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(models) + 2), 4.5))
+    width = 0.8 / len(backends)
+    x = np.arange(len(models))
+    for i, b in enumerate(backends):
+        vals = sp[sp["backend"] == b].set_index("model")["speedup"].reindex(models)
+        ax.bar(x + (i - (len(backends) - 1) / 2) * width, vals.to_numpy(dtype=float), width, label=b)
+    if paper is not None:
+        nimble = paper[(paper["system"] == "Nimble") & (paper["batch_size"] == batch_size)]
+        pv = nimble.set_index("model")["speedup_over_pytorch"].reindex(models)
+        if pv.notna().any():
+            ax.scatter(x, pv.to_numpy(dtype=float), marker="_", s=400, color="black", zorder=3,
+                       label="paper Nimble (V100)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(x, models, rotation=30, ha="right")
+    ax.set_ylabel("speedup over eager PyTorch")
+    ax.set_title(f"Inference, batch {batch_size}{note}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_training_speedup(df: pd.DataFrame) -> Figure | None:
+    """Training speedup over eager per batch size: one panel per model, bars per backend."""
+    sp = speedups(df[df["experiment"] == "training"])
+    sp, note = _prefer_full(sp[sp["backend"] != "eager"])
+    if sp.empty:
+        return None
+    models = list(dict.fromkeys(sp["model"]))
+    backends = _ordered(sp["backend"])
+    fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        m = sp[sp["model"] == model]
+        batches = sorted(m["batch_size"].unique())
+        x = np.arange(len(batches))
+        width = 0.8 / len(backends)
+        for i, b in enumerate(backends):
+            vals = m[m["backend"] == b].set_index("batch_size")["speedup"].reindex(batches)
+            ax.bar(x + (i - (len(backends) - 1) / 2) * width, vals.to_numpy(dtype=float), width, label=b)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(x, [str(b) for b in batches])
+        ax.set_xlabel("batch size")
+        ax.set_title(f"{model} ({', '.join(sorted(m['mode'].unique()))})")
+    axes[0][0].set_ylabel("speedup over eager")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"Training step{note}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_multistream(df: pd.DataFrame) -> Figure | None:
+    """Multi-stream ablation: Nimble (multi-stream) over Nimble single-stream, per model and batch."""
+    sp = speedups(df[df["experiment"] == "inference"], baseline="nimble-single")
+    sp, note = _prefer_full(sp[sp["backend"] == "nimble"])
+    if sp.empty:
+        return None
+    batches = sorted(sp["batch_size"].unique())
+    models = list(dict.fromkeys(sp["model"]))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(models) + 2), 4))
+    width = 0.8 / len(batches)
+    x = np.arange(len(models))
+    for i, b in enumerate(batches):
+        vals = sp[sp["batch_size"] == b].set_index("model")["speedup"].reindex(models)
+        ax.bar(x + (i - (len(batches) - 1) / 2) * width, vals.to_numpy(dtype=float), width,
+               label=f"batch {b}")
+    for target in (1.3, 1.5):
+        ax.axhline(target, color="grey", ls="--", lw=0.8)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, models, rotation=30, ha="right")
+    ax.set_ylabel("nimble / nimble-single speedup")
+    ax.set_title(f"Multi-stream ablation (targets 1.3x / 1.5x){note}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
+
+
+def plot_stream_timeline(trace_json_path: str | Path, out_png: str | Path | None = None) -> Figure:
+    """Per-stream timeline (Gantt) of the GPU events of a torch.profiler chrome trace.
+
+    Draws one row per CUDA stream (``args.stream``, else the event's ``tid``), one bar per kernel
+    or memory operation, time in ms from the first GPU event. Saves to ``out_png`` if given.
+    """
+    data = json.loads(Path(trace_json_path).read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_EVENT_CATS and "dur" in e]
+    if not gpu:
+        raise ValueError(f"{trace_json_path}: no GPU kernel/memcpy events (cat in {sorted(GPU_EVENT_CATS)}); "
+                         "was the trace recorded with ProfilerActivity.CUDA on a GPU?")
+    t0 = min(float(e["ts"]) for e in gpu)
+    streams = sorted({e.get("args", {}).get("stream", e.get("tid")) for e in gpu},
+                     key=lambda s: (not str(s).isdigit(), int(s) if str(s).isdigit() else 0, str(s)))
+    row = {s: i for i, s in enumerate(streams)}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(streams) + 1.5))
+    colors = plt.get_cmap("tab10")
+    for s in streams:
+        spans = [((float(e["ts"]) - t0) / 1e3, float(e["dur"]) / 1e3) for e in gpu
+                 if e.get("args", {}).get("stream", e.get("tid")) == s]
+        ax.broken_barh(spans, (row[s] - 0.4, 0.8), color=colors(row[s] % 10))
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    ax.invert_yaxis()  # first stream on top
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"GPU timeline per stream: {Path(trace_json_path).stem} ({len(gpu)} GPU events)")
+    fig.tight_layout()
+    if out_png is not None:
+        fig.savefig(out_png, dpi=120)
+    return fig
+
+
+# --------------------------------------------------------------------------- markdown
+
+def md_table(df: pd.DataFrame) -> str:
+    """A GitHub markdown table (no tabulate dependency; ``|`` in cells escaped)."""
+    if df.empty:
+        return "_(no rows)_"
+    cols = [str(c) for c in df.columns]
+
+    def esc(v: object) -> str:
+        return "" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v).replace("|", "\\|")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(esc(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _environment_lines(df: pd.DataFrame) -> list[str]:
+    def values(col: str) -> str:
+        return ", ".join(sorted({str(v) for v in df[col] if str(v)})) or "?"
+    drivers = sorted({json.loads(e).get("driver", "") for e in df["extra"] if e} - {""})
+    dates = sorted(str(d) for d in df["date"] if str(d))
+    where = (f"- CPU only (no GPU); host {values('host')}" if set(df["device"]) == {"cpu"} else
+             f"- GPU: {values('gpu')}; driver {', '.join(drivers) or '?'}; host {values('host')}")
+    return [
+        where,
+        f"- torch {values('torch')}, CUDA {values('cuda')}, cuDNN {values('cudnn')}, Python {values('python')}",
+        f"- TF32 matmul {values('tf32_matmul')}, TF32 cuDNN {values('tf32_cudnn')}, "
+        f"cudnn.benchmark {values('cudnn_benchmark')}",
+        f"- commits {values('commit')}; measured {dates[0] if dates else '?'} … {dates[-1] if dates else '?'}",
+    ]
+
+
+def _not_measured(df: pd.DataFrame) -> pd.DataFrame:
+    bad = df[df["status"] != "ok"]
+    if bad.empty:
+        return pd.DataFrame()
+    grouped = bad.groupby(["backend", "status", "reason"], sort=False)
+    return pd.DataFrame([{"backend": b, "status": s, "reason": r,
+                          "rows": ", ".join(f"{m} b={bs}" for m, bs in zip(g["model"], g["batch_size"]))}
+                         for (b, s, r), g in grouped])
+
+
+def settings(df: pd.DataFrame) -> list[tuple[str, str, int]]:
+    """The (experiment, mode, batch size) combinations present, one table each."""
+    keys = df[["experiment", "mode", "batch_size"]].drop_duplicates()
+    return [(e, m, int(b)) for e, m, b in keys.sort_values(["experiment", "batch_size"]).itertuples(index=False)]
+
+
+def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> Path:
+    """Write ``report.md`` and the PNGs into ``gpu_dir``; returns the report's path."""
+    gpu_dir = Path(gpu_dir)
+    results_dir = Path(results_dir) if results_dir is not None else gpu_dir.parent
+    paper_dir = results_dir / "paper"
+    df = load_rows(gpu_dir)
+    claims = _read_csv(paper_dir / "nimble_claims.csv")
+    paper_inf = _read_csv(paper_dir / "nimble_inference_v100.csv")
+    paper_train = _read_csv(paper_dir / "nimble_training_v100.csv")
+    streams = _read_csv(results_dir / "analysis" / "streams.csv")
+
+    n_smoke = int(df["smoke"].sum())
+    md = [f"# Reproduction report: {gpu_dir.name}", "",
+          f"Derived by `python -m experiments.report` from {len(df)} raw rows in `{gpu_dir.name}/*.csv` "
+          f"({n_smoke} smoke rows). Do not edit: re-run the report.", ""]
+    if len(df):
+        md += _environment_lines(df) + [""]
+    if n_smoke:
+        md += [f"`*` marks smoke rows (CPU, or fewer than {PROTOCOL_WARMUP} warm-ups / {PROTOCOL_ITERS} "
+               "timed iterations): shown, never used for a verdict.", ""]
+    if n_smoke == len(df) and len(df):
+        md += ["**Every row here is a smoke row: no claim can be decided from this folder.**", ""]
+
+    if claims is not None and n_smoke < len(df):
+        md += ["## The papers' claims", "",
+               "Reproduced: our ratio on this GPU is at least the paper's (V100) figure "
+               "(at most, for `<=`). Not measured: the reason is given.", "",
+               md_table(claim_verdicts(df, claims)), ""]
+
+    figures: dict[str, Figure | None] = {}
+    for exp, mode, batch in settings(df):
+        md += [f"## {exp} ({mode}), batch {batch}", "", "Median latency in ms (p10–p90):", "",
+               md_table(latency_table(df, exp, mode, batch)), "", "Speedup over eager:", "",
+               md_table(speedup_table(df, exp, mode, batch)), ""]
+    if paper_inf is not None and len(df):
+        md += ["## Paper (V100) beside ours: inference speedup over PyTorch", "",
+               "`~` marks paper bars estimated from bar heights. Caffe2 no longer exists; ONNX Runtime "
+               "stands in for it.", "", md_table(paper_comparison(df, paper_inf, "inference", "inference")), ""]
+        figures["inference_speedup.png"] = plot_inference_speedup(df, paper_inf)
+    if paper_train is not None and (df["experiment"] == "training").any():
+        md += ["## Paper (V100) beside ours: training speedup over PyTorch", "",
+               md_table(paper_comparison(df, paper_train, "training", "fwd-bwd")), ""]
+        figures["training_speedup.png"] = plot_training_speedup(df)
+    if len(df):
+        figures["multistream_ablation.png"] = plot_multistream(df)
+
+    if streams is not None:
+        cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",
+                            "critical_path_flop_share", "status"] if c in streams.columns]
+        md += ["## Stream analysis (CPU trace, `results/analysis/streams.csv`)", "",
+               md_table(streams[cols].round(3)), ""]
+    for trace in sorted(gpu_dir.glob("trace_*.json")):
+        name = f"timeline_{trace.stem.removeprefix('trace_')}.png"
+        try:
+            figures[name] = plot_stream_timeline(trace)
+        except (ValueError, KeyError, json.JSONDecodeError) as exc:
+            md += [f"- timeline of `{trace.name}` not drawn: {exc}"]
+
+    drawn = {k: v for k, v in figures.items() if v is not None}
+    if drawn:
+        md += ["## Plots", ""]
+        for name, fig in drawn.items():
+            fig.savefig(gpu_dir / name, dpi=120)
+            plt.close(fig)
+            md += [f"![{name}]({name})", ""]
+    missing = _not_measured(df)
+    if len(missing):
+        md += ["## Not measured", "", "Rows with status unavailable or error, and why:", "",
+               md_table(missing), ""]
+    out = gpu_dir / "report.md"
+    out.write_text("\n".join(md))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
+    parser.add_argument("--gpu", help="only this GPU folder, e.g. h200 (default: every one found)")
+    args = parser.parse_args(argv)
+    plt.switch_backend("Agg")  # files only, no window (a notebook keeps its inline backend)
+    found = gpu_dirs(args.results)
+    if args.gpu:
+        found = [d for d in found if d.name == args.gpu]
+        if not found:
+            parser.error(f"no results for --gpu {args.gpu}; found: "
+                         f"{', '.join(d.name for d in gpu_dirs(args.results)) or 'none'}")
+    if not found:
+        print(f"no result CSVs under {args.results}/<gpu>/; run a sweep first")
+        return 1
+    for d in found:
+        print(f"wrote {write_report(d, args.results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""``make reproduce``: the paper sweeps on a CUDA host, what needs no GPU elsewhere, then the report.
+
+    python -m experiments.reproduce [--dry-run] [--sweeps paper_inference,multistream_ablation]
+
+On a CUDA host: the stream analysis, each sweep preset through the Hydra app in a subprocess
+(``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
+measured are skipped), one profiler trace for the per-stream timeline, then the report.
+
+On a host without CUDA: the stream analysis, the CPU-capable backends on one small model with
+quick timing (rows in ``results/cpu/inference.csv``, smoke rows by definition), the report rebuilt
+from the committed results, and a plain list of what was not run and why.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TRACE_MODEL", "plan", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = REPO_ROOT / "results"
+
+# conf/sweep/<name>.yaml, in the order they run.
+GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "paper_training"]
+# The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
+# backends (which record "unavailable" rows with their reason).
+CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",
+             "backends=[eager,torchscript,onnxruntime,inductor,nimble-single,nimble]"]
+# The model whose multi-stream replay is traced for the Gantt plot (6 streams in the analysis).
+TRACE_MODEL = "inception_v3"
+
+
+def _app(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "experiments.run", *overrides]
+
+
+def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, list[str]]], list[str]]:
+    """(steps to run as (description, command), lines saying what is not run and why)."""
+    sweeps = GPU_SWEEPS if sweeps is None else sweeps
+    unknown = [s for s in sweeps if not (REPO_ROOT / "conf" / "sweep" / f"{s}.yaml").exists()]
+    if unknown:
+        valid = sorted(p.stem for p in (REPO_ROOT / "conf" / "sweep").glob("*.yaml"))
+        raise ValueError(f"unknown sweep(s) {unknown}; valid: {', '.join(valid)}")
+    analysis = ("stream analysis (CPU trace of every model)",
+                [sys.executable, "-m", "experiments.analysis", "--out", str(RESULTS / "analysis")])
+    report = ("report from the raw rows", [sys.executable, "-m", "experiments.report",
+                                           "--results", str(RESULTS)])
+    if cuda:
+        steps = [analysis]
+        steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
+        from experiments.env import gpu_slug
+        trace = RESULTS / gpu_slug() / f"trace_{TRACE_MODEL}_nimble.json"
+        if not trace.exists():  # re-measures one row (redo) to record its trace
+            steps.append((f"profiler trace of {TRACE_MODEL} (per-stream timeline)",
+                          _app(f"model={TRACE_MODEL}", "backends=[nimble]", "trace=true", "redo=true")))
+        return steps + [report], []
+    steps = [analysis, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
+    skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
+    skipped.append(f"profiler trace of {TRACE_MODEL}: needs a CUDA GPU")
+    skipped.append("claims: decided only by full-protocol GPU rows; reports for GPU folders were "
+                   "rebuilt from the committed rows, not re-measured")
+    return steps, skipped
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
+    parser.add_argument("--sweeps", help=f"comma-separated presets (default: {','.join(GPU_SWEEPS)})")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    sweeps = [s for s in args.sweeps.split(",") if s] if args.sweeps else None
+    try:
+        steps, skipped = plan(cuda, sweeps)
+    except ValueError as exc:
+        parser.error(str(exc))
+    where = f"CUDA host ({torch.cuda.get_device_name()})" if cuda else "host without CUDA"
+    print(f"reproduce on a {where}: {len(steps)} steps")
+    failed = []
+    for i, (what, cmd) in enumerate(steps, 1):
+        print(f"\n[{i}/{len(steps)}] {what}\n    $ {' '.join(cmd)}", flush=True)
+        if args.dry_run:
+            continue
+        if subprocess.run(cmd, cwd=REPO_ROOT).returncode != 0:
+            failed.append(what)  # go on: the report still shows everything else
+    if skipped:
+        print("\nNOT RUN on this host:")
+        for line in skipped:
+            print(f"  - {line}")
+    if failed:
+        print("\nFAILED steps (see their output above):")
+        for what in failed:
+            print(f"  - {what}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,492 @@
+"""The Hydra app: config composition, fail-fast validation, the runner, timing and environment.
+
+The runner is tested with a tiny model and fake backends substituted for the registries, so these
+tests need neither the model zoo's large networks nor any optional backend library.
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from torch import nn
+
+from experiments import run
+from experiments.env import environment, gpu_slug
+from experiments.store import COLUMNS, ResultStore
+from experiments.timing import measure, peak_memory
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+GROUPS = ["model", "backend", "experiment", "timing", "device"]
+PRESETS = sorted(p.stem for p in (CONF / "sweep").glob("*.yaml"))
+REQUIRED_BACKENDS = ["eager", "torchscript", "cudagraph", "inductor", "inductor-cudagraphs",
+                     "inductor-max-autotune", "tensorrt", "tvm", "onnxruntime", "nimble",
+                     "nimble-single"]
+
+
+def _compose(overrides=(), hydra_cfg=False):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_group_option_composes(group):
+    options = _options(group)
+    assert options, f"conf/{group}/ is empty"
+    for option in options:
+        cfg = _compose([f"{group}={option}"])
+        assert cfg[group].name == option
+
+
+def test_backend_configs_cover_the_suite():
+    assert set(REQUIRED_BACKENDS) <= set(_options("backend"))
+
+
+def test_model_configs_match_the_registry():
+    from experiments.models import MODELS
+    assert set(_options("model")) == set(MODELS)
+    for name, spec in MODELS.items():
+        cfg = _compose([f"model={name}"])
+        assert (cfg.model.image_size, cfg.model.num_classes) == (spec.image_size, spec.num_classes)
+
+
+def test_defaults_are_the_full_timing_protocol():
+    cfg = _compose()
+    assert cfg.timing.warmup >= 50 and cfg.timing.iters >= 200
+    assert list(cfg.backends) == ["eager"]  # one measurement: just the backend group's
+    assert list(_compose(["backend=nimble"]).backends) == ["nimble"]
+    quick = _compose(["timing=quick"]).timing
+    assert (quick.warmup, quick.iters) == (3, 10)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_sweep_preset_composes_as_a_multirun(preset):
+    cfg = _compose([f"+sweep={preset}"], hydra_cfg=True)
+    assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+    params = cfg.hydra.sweeper.params
+    models = str(params.model).split(",")
+    assert models and set(models) <= set(_options("model"))
+    assert all(int(b) > 0 for b in str(params.batch_size).split(","))
+    assert set(cfg.backends) <= set(_options("backend"))
+    # each job of the sweep composes too
+    job = _compose([f"+sweep={preset}", f"model={models[-1]}"])
+    assert job.model.name == models[-1]
+
+
+def test_paper_presets_match_the_paper():
+    from experiments.models import PAPER_INFERENCE_SET
+    inf = _compose(["+sweep=paper_inference"], hydra_cfg=True)
+    assert str(inf.hydra.sweeper.params.model).split(",") == PAPER_INFERENCE_SET
+    assert str(inf.hydra.sweeper.params.batch_size) == "1"
+    assert {"eager", "nimble", "nimble-single", "tensorrt", "tvm", "torchscript"} <= set(inf.backends)
+    train = _compose(["+sweep=paper_training"], hydra_cfg=True)
+    assert train.experiment.name == "training"
+    assert (train.experiment.image_size, train.experiment.num_classes) == (32, 10)
+    assert str(train.hydra.sweeper.params.batch_size) == "32,64,128"
+    abl = _compose(["+sweep=multistream_ablation"], hydra_cfg=True)
+    assert {"nimble", "nimble-single"} <= set(abl.backends)
+
+
+def test_launcher_configs_compose():
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    cfg = _compose(["hydra/launcher=local_gpus", "device.gpus=4"], hydra_cfg=True)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher")
+    assert cfg.hydra.launcher.n_jobs == 4
+
+
+def test_slurm_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = _compose(["hydra/launcher=slurm_gpu"], hydra_cfg=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.gpus_per_node == 1
+
+
+def test_sweep_size_counts_jobs_like_the_basic_sweeper():
+    hc = _compose(["+sweep=paper_training"], hydra_cfg=True).hydra
+    assert run.sweep_size(hc, argv=["+sweep=paper_training"]) == 9
+    # command-line overrides win over the preset's params, per key
+    assert run.sweep_size(hc, argv=["+sweep=paper_training", "batch_size=32"]) == 3
+    plain = _compose(hydra_cfg=True).hydra
+    assert run.sweep_size(plain, argv=["-m", "model=glob(*)", "backend=eager,nimble"]) == 2 * len(
+        _options("model"))
+    assert run.sweep_size(plain, argv=["-m", "model=glob(resnet*)", "batch_size=range(1,4)"]) == 6
+
+
+# --------------------------------------------------------------------------- fakes
+
+class Tiny(nn.Module):
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def fake_models():
+    spec = SimpleNamespace(name="tiny", image_size=8, num_classes=10)
+
+    def build_model(name, *, num_classes=None):
+        torch.manual_seed(0)
+        return Tiny(num_classes or 10).eval()
+
+    def example_input(name, batch_size, device="cpu", image_size=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch_size, 3, image_size or 8, image_size or 8, generator=g).to(device)
+
+    return SimpleNamespace(MODELS={"tiny": spec}, build_model=build_model, example_input=example_input)
+
+
+@dataclass
+class PrepareResult:
+    status: str
+    fn: object = None
+    reason: str = ""
+    prepare_s: float = 0.0
+    version: str = ""
+
+
+class FakeBackend:
+    supports_training = True
+
+    def __init__(self, name, kind="ok"):
+        self.name, self.kind = name, kind
+
+    def version(self):
+        return "0.0-fake"
+
+
+def fake_backends(**kinds):
+    """Backends: ``ok`` runs the model, ``wrong`` returns garbage, ``metrics`` exposes fn.extra,
+    ``missing`` is unavailable, ``broken`` raises in prepare, ``crash`` raises when called."""
+    registry = {name: (lambda name=name, kind=kind: FakeBackend(name, kind)) for name, kind in kinds.items()}
+
+    def get_backend(name):
+        return registry[name]()
+
+    def try_prepare(backend, model, example_inputs, device, training=False):
+        if backend.kind == "missing":
+            return PrepareResult("unavailable", reason=f"{backend.name} is not installed here")
+        if backend.kind == "broken":
+            return PrepareResult("error", reason="RuntimeError: capture failed")
+        fn = model
+        if backend.kind == "wrong":
+            fn = lambda x: model(x) + 1.0  # noqa: E731
+        elif backend.kind == "crash":
+            def fn(x):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        elif backend.kind == "metrics":
+            def fn(x):
+                return model(x)
+            fn.extra = {"streams": 3, "syncs": 2, "graph_mem_mb": 99.0}
+        return PrepareResult("ok", fn=fn, prepare_s=0.01, version="0.0-fake")
+
+    return SimpleNamespace(BACKENDS=registry, get_backend=get_backend, try_prepare=try_prepare)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    monkeypatch.setattr(run, "_models", fake_models)
+    backends = fake_backends(eager="ok", nimble="metrics", wrong="wrong", tensorrt="missing",
+                             tvm="broken", crashy="crash")
+    monkeypatch.setattr(run, "_backends", lambda: backends)
+    return backends
+
+
+def _cpu_cfg(tmp_path, *overrides):
+    return _compose(["device=cpu", "timing=quick", "model.name=tiny", f"results_dir={tmp_path}",
+                     *overrides])
+
+
+# --------------------------------------------------------------------------- validation
+
+def _config_error(cfg, match):
+    with pytest.raises(run.ConfigError, match=match):
+        run.validate(cfg)
+
+
+def test_unknown_model_lists_valid_choices(fakes, tmp_path):
+    _config_error(_cpu_cfg(tmp_path, "model.name=nope"), r"unknown model 'nope'; valid: tiny")
+
+
+def test_unknown_backend_lists_valid_choices(fakes, tmp_path):
+    _config_error(_cpu_cfg(tmp_path, "backends=[eager,bogus]"),
+                  r"unknown backend\(s\) \['bogus'\]; valid: .*eager.*nimble")
+
+
+@pytest.mark.parametrize("batch", [0, -1])
+def test_nonpositive_batch_size_is_refused(fakes, tmp_path, batch):
+    _config_error(_cpu_cfg(tmp_path, f"batch_size={batch}"), "batch_size must be a positive integer")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without CUDA")
+def test_cuda_on_a_cpu_host_suggests_device_cpu(fakes, tmp_path):
+    _config_error(_compose(["model.name=tiny", f"results_dir={tmp_path}"]), "device=cpu")
+
+
+def test_tensile_says_not_implemented(fakes, tmp_path):
+    _config_error(_cpu_cfg(tmp_path, "experiment=tensile"), "not implemented yet")
+
+
+def test_bad_training_knobs_are_refused(fakes, tmp_path):
+    _config_error(_cpu_cfg(tmp_path, "experiment=training", "experiment.optimizer=lbfgs"),
+                  "valid: sgd, adam")
+    _config_error(_cpu_cfg(tmp_path, "experiment=training", "experiment.mode=fwd"),
+                  "valid: fwd-bwd, whole-step")
+
+
+def test_hydra_lists_group_options_for_an_unknown_config():
+    from hydra.errors import MissingConfigException
+    with pytest.raises(MissingConfigException, match="resnet50"):
+        _compose(["model=nope"])
+
+
+# --------------------------------------------------------------------------- the runner
+
+def test_runner_writes_one_row_per_backend_with_reasons(fakes, tmp_path):
+    cfg = _cpu_cfg(tmp_path, "backends=[eager,nimble,tensorrt,tvm,wrong,crashy]", "batch_size=2")
+    printed = []
+    rows = run.run_config(cfg, on_row=printed.append)
+    assert [r["backend"] for r in rows] == ["eager", "nimble", "tensorrt", "tvm", "wrong", "crashy"]
+    by = {r["backend"]: r for r in rows}
+    assert by["eager"]["status"] == "ok" and float(by["eager"]["median_ms"]) > 0
+    assert by["eager"]["iters"] == "10" and by["eager"]["device"] == "cpu" and by["eager"]["gpu"] == "cpu"
+    extra = json.loads(by["nimble"]["extra"])
+    assert extra["streams"] == 3 and extra["graph_mem_mb"] == 99.0  # backend metrics land in extra
+    assert by["nimble"]["graph_mem_mb"] == ""  # ... never over a measured column (CPU: not measured)
+    assert by["tensorrt"]["status"] == "unavailable" and "not installed" in by["tensorrt"]["reason"]
+    assert by["tvm"]["status"] == "error" and "capture failed" in by["tvm"]["reason"]
+    assert by["wrong"]["status"] == "error" and "differs from eager" in by["wrong"]["reason"]
+    assert by["crashy"]["status"] == "error" and "illegal memory access" in by["crashy"]["reason"]
+    stored = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
+    assert len(stored) == 6 and set(stored[0]) == set(COLUMNS)
+    assert len(printed) == 6 and "median" in run.format_row(printed[0])
+    assert "unavailable" in run.format_row(by["tensorrt"])
+
+
+def test_rerun_skips_measured_rows_and_redo_measures_again(fakes, tmp_path):
+    cfg = _cpu_cfg(tmp_path, "backends=[eager,nimble]")
+    assert len(run.run_config(cfg)) == 2
+    assert run.run_config(cfg) == []  # everything already measured
+    more = _cpu_cfg(tmp_path, "backends=[eager,nimble,tensorrt]")
+    assert [r["backend"] for r in run.run_config(more)] == ["tensorrt"]
+    again = _cpu_cfg(tmp_path, "backends=[eager]", "redo=true")
+    assert len(run.run_config(again)) == 1
+    assert len(ResultStore(tmp_path / "cpu" / "inference.csv").rows()) == 4
+
+
+def test_a_quick_row_does_not_satisfy_the_full_protocol(fakes, tmp_path):
+    run.run_config(_cpu_cfg(tmp_path, "backends=[eager]"))
+    full = _cpu_cfg(tmp_path, "backends=[eager]", "timing.iters=12", "timing.warmup=0")
+    assert len(run.run_config(full)) == 1
+
+
+def test_model_name_is_handed_to_the_backend(fakes, tmp_path, monkeypatch):
+    seen = []
+    original = fakes.try_prepare
+
+    def spy(backend, model, example_inputs, device, training=False):
+        seen.append(getattr(model, "_suite_name", None))
+        return original(backend, model, example_inputs, device, training)
+    monkeypatch.setattr(fakes, "try_prepare", spy)
+    run.run_config(_cpu_cfg(tmp_path, "backends=[eager]"))
+    assert seen == ["tiny"]
+
+
+def test_training_fwd_bwd_takes_optimizer_steps(fakes, tmp_path):
+    cfg = _cpu_cfg(tmp_path, "experiment=training", "batch_size=4", "backends=[eager,tensorrt]")
+    rows = run.run_config(cfg)
+    assert [r["status"] for r in rows] == ["ok", "unavailable"]
+    assert rows[0]["mode"] == "fwd-bwd" and rows[0]["experiment"] == "training"
+    assert (tmp_path / "cpu" / "training.csv").exists()
+
+
+def test_whole_step_needs_a_capturing_backend(fakes, tmp_path):
+    cfg = _cpu_cfg(tmp_path, "experiment=training", "experiment.mode=whole-step",
+                   "backends=[eager,nimble]")
+    rows = run.run_config(cfg)
+    assert rows[0]["status"] == "ok"
+    assert rows[1]["status"] == "unavailable" and "prepare_step" in rows[1]["reason"]
+
+
+def test_output_error():
+    a = torch.tensor([1.0, -2.0])
+    assert run.output_error(a, a.clone()) == 0.0
+    assert run.output_error(a, a + 0.2) == pytest.approx(0.1)
+    assert run.output_error((a,), (a, a)) == math.inf
+    assert run.output_error(a, a[:1]) == math.inf
+
+
+def _claim(lock_dir, barrier, queue):
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        queue.put(run.claim_gpu(2, Path(lock_dir)))
+    except RuntimeError as exc:
+        queue.put(str(exc))
+    barrier.wait(30)  # hold the claim until every worker has tried
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.is_initialized(),
+                    reason="forked workers must not inherit an initialised CUDA context")
+def test_each_worker_claims_a_distinct_gpu(tmp_path):
+    ctx = mp.get_context("fork")
+    barrier, queue = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(str(tmp_path), barrier, queue)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(30)
+    assert sorted(g for g in got if isinstance(g, int)) == [0, 1]
+    assert any(isinstance(g, str) and "claimed by other workers" in g for g in got)
+
+
+# --------------------------------------------------------------------------- timing and env
+
+def test_measure_on_cpu_times_each_call():
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        time.sleep(0.002)
+    t = measure(fn, (1,), warmup=2, iters=5, device="cpu")
+    assert len(calls) == 7 and len(t.samples) == 5
+    assert 1.5 < t.median_ms < 50 and t.p10_ms <= t.median_ms <= t.p90_ms
+    assert t.wall_ms == pytest.approx(t.median_ms)
+    with pytest.raises(ValueError, match="iters must be >= 1"):
+        measure(fn, (1,), warmup=0, iters=0, device="cpu")
+    assert math.isnan(peak_memory(fn, (1,), device="cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_on_cuda_uses_events():
+    a = torch.randn(2048, 2048, device="cuda")
+    t = measure(lambda m: m @ m, (a,), warmup=3, iters=20, device="cuda")
+    assert t.median_ms > 0 and len(t.samples) == 20
+    assert peak_memory(lambda m: m @ m, (a,), device="cuda") >= 32  # a and the result: 16 MB each
+
+
+def test_gpu_slug_and_environment():
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
+    assert gpu_slug("Tesla V100-SXM2-16GB") == "v100-sxm2-16gb"
+    assert gpu_slug("NVIDIA GeForce RTX 4090") == "rtx-4090"
+    assert gpu_slug("cpu") == "cpu"
+    env = environment("cpu")
+    assert env["gpu"] == "cpu" and env["device"] == "cpu"
+    for key in ["torch", "python", "commit", "date", "host", "tf32_matmul", "cudnn_benchmark"]:
+        assert key in env
+
+
+# --------------------------------------------------------------------------- the real CLI
+
+def _cli(*args, cwd=REPO, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_config_error_is_a_message_not_a_traceback(tmp_path):
+    pytest.importorskip("baselines.base")
+    res = _cli("device=cpu", "batch_size=0", f"results_dir={tmp_path}",
+               f"hydra.run.dir={tmp_path}/out")
+    assert res.returncode == 2
+    assert "config error: batch_size must be a positive integer" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_cli_multirun_with_progress_and_resume(tmp_path):
+    pytest.importorskip("baselines.base")
+    args = ["-m", "device=cpu", "timing=quick", "model=mobilenet_v2", "experiment.image_size=32",
+            "backend=eager", "batch_size=1,2", f"results_dir={tmp_path}",
+            f"hydra.sweep.dir={tmp_path}/multirun"]
+    res = _cli(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sweep: 100%" in res.stderr and "2/2" in res.stderr  # one bar with a total
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if "median" in line]
+    assert len(lines) == 2
+    rows = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
+    assert [(r["batch_size"], r["status"]) for r in rows] == [("1", "ok"), ("2", "ok")]
+    again = _cli(*args)
+    assert again.returncode == 0
+    assert len(ResultStore(tmp_path / "cpu" / "inference.csv").rows()) == 2  # skipped
+
+
+# --------------------------------------------------------------------------- reproduce, wheelhouse
+
+def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
+    from experiments import reproduce
+    steps, skipped = reproduce.plan(cuda=True)
+    commands = [" ".join(cmd) for _, cmd in steps]
+    for sweep in reproduce.GPU_SWEEPS:
+        assert any(f"-m experiments.run +sweep={sweep}" in c for c in commands)
+        assert (CONF / "sweep" / f"{sweep}.yaml").exists()
+    assert "experiments.analysis" in commands[0] and "experiments.report" in commands[-1]
+    assert skipped == []
+
+
+def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
+    from experiments import reproduce
+    steps, skipped = reproduce.plan(cuda=False)
+    commands = [" ".join(cmd) for _, cmd in steps]
+    assert not any("+sweep=" in c for c in commands)
+    assert any("device=cpu" in c and "timing=quick" in c for c in commands)
+    assert "experiments.report" in commands[-1]
+    assert all(any(s in line for line in skipped) for s in reproduce.GPU_SWEEPS)
+    assert all("needs a CUDA GPU" in line for line in skipped[:-1])
+    with pytest.raises(ValueError, match="unknown sweep"):
+        reproduce.plan(cuda=True, sweeps=["nope"])
+
+
+def test_reproduce_dry_run_prints_the_plan(capsys):
+    from experiments import reproduce
+    assert reproduce.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "experiments.report" in out
+    if not torch.cuda.is_available():
+        assert "NOT RUN on this host" in out
+
+
+def test_wheelhouse_pins_the_tested_versions_and_explains_offline_install():
+    from importlib import metadata
+
+    from experiments import wheelhouse
+    assert wheelhouse.requirement("hydra-core") == f"hydra-core=={metadata.version('hydra-core')}"
+    assert wheelhouse.requirement("surely-not-installed-pkg") == "surely-not-installed-pkg"
+    text = wheelhouse.install_instructions(".whl")
+    assert "--no-index --find-links .whl" in text and "PYTHONPATH=/tmp/site" in text
+    assert {"hydra-core", "omegaconf", "antlr4-python3-runtime"} <= set(wheelhouse.PACKAGES)
+
+
+@pytest.mark.slow
+def test_cli_joblib_launcher_runs_jobs_in_parallel_workers(tmp_path):
+    pytest.importorskip("baselines.base")
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    res = _cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "device=cpu", "timing=quick",
+               "model=mobilenet_v2", "experiment.image_size=32", "backend=eager", "batch_size=1,2,3",
+               f"results_dir={tmp_path}", f"hydra.sweep.dir={tmp_path}/multirun")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
+    assert sorted(r["batch_size"] for r in rows) == ["1", "2", "3"]
+    assert all(r["status"] == "ok" for r in rows)

@@ -1,0 +1,166 @@
+"""The report, from a small fixture of rows with missing, unavailable, failing and smoke backends."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import report
+from experiments.store import ResultStore
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture
+def results(tmp_path):
+    """A results folder: fixture rows for an H200, the paper data, a stream table and a trace."""
+    (tmp_path / "h200").mkdir()
+    shutil.copy(FIXTURES / "rows_h200.csv", tmp_path / "h200" / "inference.csv")
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    (tmp_path / "analysis").mkdir()
+    pd.DataFrame({"model": ["inception_v3", "resnet50"], "ops": [313, 175], "edges": [400, 190],
+                  "streams": [6, 2], "syncs": [70, 8], "width": [6, 2],
+                  "critical_path_flop_share": [0.61234, 0.98], "status": ["ok", "ok"]}
+                 ).to_csv(tmp_path / "analysis" / "streams.csv", index=False)
+    shutil.copy(FIXTURES / "trace_tiny.json", tmp_path / "h200" / "trace_inception_v3_nimble.json")
+    return tmp_path
+
+
+@pytest.fixture
+def verdicts(results):
+    df = report.load_rows(results / "h200")
+    claims = pd.read_csv(results / "paper" / "nimble_claims.csv")
+    return report.claim_verdicts(df, claims).set_index("claim")
+
+
+def test_load_rows_types_dedupes_and_marks_smoke(results):
+    df = report.load_rows(results / "h200")
+    r50 = df[(df["model"] == "resnet50") & (df["backend"] == "eager") & (df["batch_size"] == 1)]
+    assert len(r50) == 1 and r50["status"].iloc[0] == "ok"  # the re-measured row wins
+    assert df["median_ms"].dtype.kind == "f"
+    smoke = df[df["smoke"]]
+    assert set(smoke["model"]) == {"mobilenet_v2"} and set(smoke["iters"]) == {10}
+
+
+def test_full_protocol_row_wins_over_a_later_smoke_row(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", model="m", backend="eager", batch_size=1,
+                  status="ok", device="cuda", gpu="NVIDIA H200", warmup=50)
+    store.append({**common, "median_ms": 2.0, "iters": 200})
+    store.append({**common, "median_ms": 9.0, "iters": 10})
+    df = report.load_rows(tmp_path / "h200")
+    assert list(df["median_ms"]) == [2.0]
+
+
+def test_speedups_are_relative_to_eager_in_the_same_setting(results):
+    sp = report.speedups(report.load_rows(results / "h200"))
+    got = sp.set_index(["model", "backend", "batch_size"])["speedup"]
+    assert got[("resnet50", "nimble", 1)] == pytest.approx(4.0 / 0.9)
+    assert got[("resnet50", "nimble", 32)] == pytest.approx(9.0 / 5.0)
+    assert ("googlenet", "nimble", 1) not in got.index  # no eager row for googlenet
+
+
+def test_verdicts_reproduced_and_not_reproduced(verdicts):
+    assert verdicts.loc["inference_resnet50", "verdict"] == "reproduced"  # 4.44 >= 4.32
+    assert verdicts.loc["inference_resnet50", "ours"] == "4.44x"
+    assert verdicts.loc["inference_max", "verdict"] == "not reproduced"  # 10.0 < 22.34
+    assert verdicts.loc["training_max", "verdict"] == "reproduced"  # 4.0 >= 3.61
+    assert verdicts.loc["multistream_inception_v3", "verdict"] == "reproduced"  # 2.0/1.4
+    assert verdicts.loc["multistream_googlenet", "verdict"] == "not reproduced"  # 0.9/0.85
+    assert verdicts.loc["prepare_time", "verdict"] == "reproduced"  # max 2.5 s <= 3 s
+    assert "inception_v3" in verdicts.loc["prepare_time", "note"]
+
+
+def test_verdicts_not_measured_say_why(verdicts):
+    nm = verdicts[verdicts["verdict"] == "not measured"]
+    assert nm.loc["over_tensorrt", "note"] == "no rows for tensorrt"  # missing backend
+    assert nm.loc["inference_resnet101", "note"] == "no rows for nimble"
+    assert "only smoke rows" in nm.loc["inference_mobilenet_v2", "note"]  # smoke never decides
+    assert "error: torch.OutOfMemoryError" in nm.loc["training_mobilenet_v2_b64", "note"]
+    assert (nm["ours"] == "").all()
+
+
+def test_unavailable_backend_reason_reaches_the_verdict(results):
+    df = report.load_rows(results / "h200")
+    claim = pd.DataFrame([{"claim_id": "trt", "text": "x", "metric": "speedup", "model": "resnet50",
+                           "backend": "nimble", "baseline": "tensorrt", "experiment": "inference",
+                           "mode": "inference", "batch_size": 1, "value": 1.2, "comparison": ">=",
+                           "setting": "", "provenance": "", "source": ""}])
+    v = report.claim_verdicts(df, claim).iloc[0]
+    assert v["verdict"] == "not measured"
+    assert v["note"] == "tensorrt unavailable: torch_tensorrt is not installed (pip install torch-tensorrt)"
+
+
+def test_unknown_claim_metric_is_an_error(results):
+    df = report.load_rows(results / "h200")
+    claim = pd.DataFrame([{"claim_id": "c", "text": "", "metric": "joules", "model": "resnet50",
+                           "backend": "nimble", "baseline": "eager", "experiment": "inference",
+                           "mode": "inference", "batch_size": 1, "value": 1, "comparison": ">=",
+                           "setting": "", "provenance": "", "source": ""}])
+    with pytest.raises(ValueError, match="unknown metric 'joules'"):
+        report.claim_verdicts(df, claim)
+
+
+def test_tables_mark_unavailable_error_and_smoke(results):
+    df = report.load_rows(results / "h200")
+    lat = report.latency_table(df, "inference", "inference", 1).set_index("model")
+    assert lat.loc["resnet50", "tensorrt"] == "n/a" and lat.loc["resnet50", "tvm"] == "error"
+    assert lat.loc["mobilenet_v2", "eager"].endswith("*")
+    assert list(lat.columns)[-1] == "nimble"  # baselines first, ours last
+    sp = report.speedup_table(df, "inference", "inference", 1).set_index("model")
+    assert sp.loc["resnet50", "nimble"] == "4.44x"
+    assert sp.loc["googlenet", "nimble"] == "no eager row"
+    paper = pd.read_csv(results / "paper" / "nimble_inference_v100.csv")
+    cmp = report.paper_comparison(df, paper, "inference", "inference").set_index("model")
+    assert cmp.loc["resnet50", "Nimble paper"] == "4.32x"
+    assert cmp.loc["resnet50", "Nimble ours (nimble)"] == "4.44x"
+    assert cmp.loc["resnet50", "TensorRT paper"] == "~3.39x"
+    assert cmp.loc["resnet50", "TensorRT ours (tensorrt)"] == "unavailable"
+
+
+def test_write_report_makes_markdown_and_plots(results):
+    out = report.write_report(results / "h200", results)
+    text = out.read_text()
+    for needle in ["## The papers' claims", "| not reproduced |", "| not measured |",
+                   "## Stream analysis", "0.612", "## Not measured", "torch_tensorrt is not installed",
+                   "Nimble paper", "![inference_speedup.png](inference_speedup.png)"]:
+        assert needle in text, needle
+    for png in ["inference_speedup.png", "training_speedup.png", "multistream_ablation.png",
+                "timeline_inception_v3_nimble.png"]:
+        assert (results / "h200" / png).stat().st_size > 1000, png
+
+
+def test_report_of_only_smoke_rows_decides_nothing(tmp_path):
+    store = ResultStore(tmp_path / "cpu" / "inference.csv")
+    for backend, ms in [("eager", 30.0), ("nimble", 3.0)]:
+        store.append(dict(experiment="inference", mode="inference", model="nasnet_a_mobile",
+                          backend=backend, batch_size=1, status="ok", median_ms=ms, p10_ms=ms,
+                          p90_ms=ms, iters=10, warmup=3, device="cpu", gpu="cpu"))
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    text = report.write_report(tmp_path / "cpu").read_text()
+    assert "Every row here is a smoke row" in text
+    assert "| reproduced |" not in text and "| not reproduced |" not in text
+    assert "## The papers' claims" not in text and "CPU only" in text
+    assert "10.00x*" in text
+
+
+def test_stream_timeline_draws_one_row_per_stream(tmp_path):
+    fig = report.plot_stream_timeline(FIXTURES / "trace_tiny.json", tmp_path / "t.png")
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["stream 7", "stream 13"]
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 1}]}')
+    with pytest.raises(ValueError, match="no GPU kernel"):
+        report.plot_stream_timeline(empty)
+
+
+def test_cli_finds_gpu_folders_and_refuses_unknown_gpu(results, capsys):
+    assert report.main(["--results", str(results)]) == 0
+    assert "report.md" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report.main(["--results", str(results), "--gpu", "a100"])
+    assert "found: h200" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""The results store: append, header, resume/skip, redo, unknown keys, concurrent writers."""
+from __future__ import annotations
+
+import csv
+import json
+import multiprocessing as mp
+
+import pytest
+
+from experiments.store import COLUMNS, KEY_COLUMNS, ResultStore, make_row, read_rows, row_key
+
+
+def _row(**kw):
+    base = dict(experiment="inference", mode="inference", model="resnet50", backend="eager",
+                batch_size=1, status="ok", median_ms=1.5, iters=200, warmup=50, device="cuda",
+                gpu="NVIDIA H200")
+    base.update(kw)
+    return base
+
+
+def test_append_writes_header_once_and_complete_rows(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    store.append(_row())
+    store.append(_row(backend="nimble", median_ms=0.5))
+    lines = store.path.read_text().splitlines()
+    assert lines[0].split(",") == COLUMNS
+    assert len(lines) == 3
+    rows = store.rows()
+    assert [r["backend"] for r in rows] == ["eager", "nimble"]
+    assert rows[1]["median_ms"] == "0.5"
+    assert set(rows[0]) == set(COLUMNS)
+
+
+def test_unknown_keys_go_into_extra_as_json(tmp_path):
+    store = ResultStore(tmp_path / "x.csv")
+    store.append(_row(streams=6, syncs=70, extra={"critical_path_ms": 1.25}))
+    extra = json.loads(store.rows()[0]["extra"])
+    assert extra == {"streams": 6, "syncs": 70, "critical_path_ms": 1.25}
+
+
+def test_bad_status_and_bad_extra_are_rejected():
+    with pytest.raises(ValueError, match="status must be one of"):
+        make_row(**_row(status="fine"))
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        make_row(**_row(extra=[1, 2]))
+
+
+def test_reasons_with_commas_quotes_and_newlines_survive(tmp_path):
+    store = ResultStore(tmp_path / "x.csv")
+    reason = 'TensorRT missing: "No module named tensorrt",\nsecond line'
+    store.append(_row(status="unavailable", reason=reason))
+    assert store.rows()[0]["reason"] == reason
+
+
+def test_done_keys_resume_skip_and_redo(tmp_path):
+    store = ResultStore(tmp_path / "x.csv")
+    assert store.done_keys() == set()  # no file yet
+    store.append(_row())
+    store.append(_row(backend="tensorrt", status="unavailable", reason="not installed"))
+    store.append(_row(backend="nimble", status="error", reason="capture failed"))
+    done = store.done_keys()
+    assert row_key(_row()) in done
+    # error and unavailable rows count as done too: a re-run does not retry them unless asked
+    assert row_key(_row(backend="nimble")) in done
+    assert row_key(_row(backend="tensorrt")) in done
+    assert row_key(_row(batch_size=32)) not in done
+    assert row_key(_row(device="cpu", gpu="cpu")) not in done
+    assert store.done_keys(redo=True) == set()
+
+
+def test_smoke_rows_do_not_count_for_a_full_protocol_run(tmp_path):
+    store = ResultStore(tmp_path / "x.csv")
+    store.append(_row(iters=10, warmup=3))
+    assert row_key(_row()) in store.done_keys(min_iters=10)
+    assert row_key(_row()) not in store.done_keys(min_iters=200)
+
+
+def test_key_is_typed_consistently_between_dict_and_csv(tmp_path):
+    store = ResultStore(tmp_path / "x.csv")
+    store.append(_row(batch_size=32))
+    (stored,) = store.rows()
+    assert row_key(stored) == row_key(_row(batch_size=32))
+    assert len(KEY_COLUMNS) == len(row_key(stored))
+
+
+def test_foreign_header_is_refused(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("model,backend\nresnet50,eager\n")
+    with pytest.raises(ValueError, match="move it aside"):
+        ResultStore(path).append(_row())
+
+
+def _writer(path: str, worker: int, n: int) -> None:
+    store = ResultStore(path)
+    for i in range(n):
+        # long reasons make torn writes likely if locking were broken
+        store.append(_row(model=f"m{worker}", batch_size=i + 1, reason="x" * 2000, status="error"))
+
+
+def test_concurrent_writers_never_corrupt_the_file(tmp_path):
+    path = tmp_path / "h200" / "inference.csv"
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(str(path), w, 50)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        body = list(reader)
+    assert header == COLUMNS
+    assert len(body) == 200
+    assert all(len(r) == len(COLUMNS) for r in body)
+    rows = read_rows(path)
+    assert {(r["model"], r["batch_size"]) for r in rows} == {
+        (f"m{w}", str(i + 1)) for w in range(4) for i in range(50)}
+    assert all(r["reason"] == "x" * 2000 for r in rows)
