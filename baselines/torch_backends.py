@@ -1,0 +1,219 @@
+"""Baselines that stock PyTorch ships: eager, TorchScript, a plain CUDA graph, Inductor.
+
+Inference callables run under ``torch.no_grad()``. Backends that replay a CUDA graph return
+the graph's *static* output tensors: they are overwritten by the next call, so clone what
+you keep (the same contract as ``torch.cuda.graph`` and Inductor's CUDA Graph Trees).
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from .base import Availability, Backend, BackendUnavailable, register_backend
+
+__all__ = [
+    "EagerBackend",
+    "TorchScriptBackend",
+    "CudaGraphBackend",
+    "InductorBackend",
+    "static_graph_fn",
+    "WARMUP_ITERS",
+]
+
+WARMUP_ITERS = 3  # before capture: cuDNN algorithm choice, lazy init, allocator warm-up
+
+
+def _no_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under torch.no_grad() (inference rows must not build autograd graphs)."""
+
+    def run(*inputs: Tensor) -> Any:
+        with torch.no_grad():
+            return fn(*inputs)
+
+    return run
+
+
+def static_graph_fn(graph: torch.cuda.CUDAGraph, static_inputs: tuple[Tensor, ...],
+                    static_outputs: Any) -> Callable[..., Any]:
+    """``fn(*inputs)``: copy inputs into the captured buffers, replay, return the static outputs.
+
+    Inputs must have the captured shapes and dtypes; anything else is a ValueError (a
+    graph replays fixed addresses and sizes, so a different shape would read garbage).
+    """
+    shapes = [(tuple(s.shape), s.dtype) for s in static_inputs]
+
+    def run(*inputs: Tensor) -> Any:
+        if len(inputs) != len(static_inputs):
+            raise ValueError(f"expected {len(static_inputs)} inputs, got {len(inputs)}")
+        for i, (x, s) in enumerate(zip(inputs, static_inputs)):
+            if x.shape != s.shape or x.dtype != s.dtype:
+                raise ValueError(f"input {i} must be {shapes[i]} as captured, got "
+                                 f"{(tuple(x.shape), x.dtype)}")
+            if x.data_ptr() != s.data_ptr():
+                s.copy_(x)
+        graph.replay()
+        return static_outputs
+
+    return run
+
+
+class EagerBackend(Backend):
+    """PyTorch as written: the model's own forward, op by op."""
+
+    name = "eager"
+    supports_training = True
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        model.train(training)
+        return model if training else _no_grad(model)
+
+
+class TorchScriptBackend(Backend):
+    """The Nimble paper's TorchScript baseline: trace + freeze + optimize_for_inference.
+
+    TorchScript is deprecated in PyTorch 2.x (FutureWarnings, silenced here) but still runs.
+    """
+
+    name = "torchscript"
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        self._refuse_training(training)
+        model.eval()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            traced = torch.jit.trace(model, example_inputs)
+            frozen = torch.jit.freeze(traced)
+            optimized = torch.jit.optimize_for_inference(frozen)
+            # The profiling executor specialises on the first runs: do them here, not timed.
+            for _ in range(WARMUP_ITERS):
+                optimized(*example_inputs)
+        return _no_grad(optimized)
+
+
+class CudaGraphBackend(Backend):
+    """What PyTorch ships: the whole forward captured into one CUDA graph on one stream.
+
+    Inference: warm up on a side stream, capture, then each call copies the inputs into
+    static buffers and replays. Training: ``torch.cuda.make_graphed_callables`` (forward
+    and backward graphs inside an autograd.Function; the caller's loss and optimizer stay
+    eager).
+    """
+
+    name = "cudagraph"
+    supports_training = True
+    needs_cuda = True
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        if example_inputs[0].device.type != "cuda":
+            raise BackendUnavailable("cudagraph needs CUDA inputs")
+        if training:
+            model.train()
+            sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in example_inputs)
+            return torch.cuda.make_graphed_callables(model, sample, num_warmup_iters=WARMUP_ITERS)
+        model.eval()
+        static_inputs = tuple(x.detach().clone() for x in example_inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(WARMUP_ITERS):
+                model(*static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):  # captures on its own side stream
+            static_outputs = model(*static_inputs)
+        return static_graph_fn(graph, static_inputs, static_outputs)
+
+
+def _cpp_compiler() -> str | None:
+    """The C++ compiler Inductor would use on CPU, or None."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # private; may move
+        return get_cpp_compiler()
+    except Exception:
+        return shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+class InductorBackend(Backend):
+    """``torch.compile`` with Inductor: mode None (default), "reduce-overhead" (CUDA Graph
+    Trees) or "max-autotune" (autotuned templates + CUDA graphs).
+
+    prepare compiles and runs the compiled function WARMUP_ITERS times, so the compile
+    time (and, for the CUDA-graph modes, the warm-up and recording runs) lands in
+    ``prepare_s``. Inductor's on-disk caches make a second compile of the same model
+    faster: compile times are those of the cache state at the time.
+    """
+
+    supports_training = True
+
+    def __init__(self, mode: str | None = None):
+        if mode not in (None, "reduce-overhead", "max-autotune"):
+            raise ValueError(f"mode must be None, 'reduce-overhead' or 'max-autotune', got {mode!r}")
+        self.mode = mode
+        self.name = {None: "inductor", "reduce-overhead": "inductor-cudagraphs",
+                     "max-autotune": "inductor-max-autotune"}[mode]
+        self.needs_cuda = mode is not None  # both non-default modes are CUDA-graph modes
+
+    def _check(self, device: torch.device) -> Availability:
+        if device.type == "cpu" and _cpp_compiler() is None:
+            return Availability(False, "Inductor on CPU needs a C++ compiler (g++/clang++) on PATH")
+        return Availability(True)
+
+    def version(self) -> str:
+        return f"torch {torch.__version__} (torch.compile mode={self.mode or 'default'})"
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        model.train(training)
+        compiled = torch.compile(model, mode=self.mode, dynamic=False)
+        graphs = self.mode is not None
+
+        def run(*inputs: Tensor) -> Any:
+            if graphs:
+                # Marks an iteration boundary for CUDA Graph Trees, so outputs of the previous
+                # call may be overwritten instead of raising "accessing tensor output of
+                # CUDAGraphs that has been overwritten" in training loops.
+                torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*inputs)
+
+        fn = run if training else _no_grad(run)
+        for _ in range(WARMUP_ITERS):  # compile, then (graph modes) warm up, record, replay
+            out = fn(*example_inputs)
+            if training:
+                _backward_once(out)
+        if training:
+            model.zero_grad(set_to_none=True)
+        return fn
+
+
+def _backward_once(out: Any) -> None:
+    """Backward through the sum of the output tensors, so the compiled backward is built
+    inside prepare rather than in the first timed iteration."""
+    if isinstance(out, dict):
+        out = list(out.values())
+    tensors = [out] if isinstance(out, Tensor) else [t for t in out if isinstance(t, Tensor)]
+    grads = [t.float().sum() for t in tensors if t.requires_grad]
+    if grads:
+        torch.stack(grads).sum().backward()
+
+
+def _inductor_reduce_overhead() -> InductorBackend:
+    return InductorBackend("reduce-overhead")
+
+
+def _inductor_max_autotune() -> InductorBackend:
+    return InductorBackend("max-autotune")
+
+
+register_backend("eager", EagerBackend)
+register_backend("torchscript", TorchScriptBackend)
+register_backend("cudagraph", CudaGraphBackend)
+register_backend("inductor", InductorBackend)
+register_backend("inductor-cudagraphs", _inductor_reduce_overhead)
+register_backend("inductor-max-autotune", _inductor_max_autotune)

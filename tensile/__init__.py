@@ -1,0 +1,22 @@
+"""TENSILE: tensor-granularity swap/recompute memory scheduling for one training job.
+
+Trace one training step → access timeline → greedy peak-shaving plan → runtime that
+applies the plan every step. The planner and simulator are pure Python (CPU-tested);
+the runtime needs CUDA, with a CPU simulation mode for its bookkeeping.
+"""
+from .api import Scheduler, SchedulerReport
+from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
+from .plan import Plan, Recompute, Swap
+from .planner import plan
+from .record import Recording, record_step
+from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
+from .simulate import SimResult, simulate
+from .step import training_step
+from .timeline import AccessTimeline, TensorInfo
+
+__all__ = [
+    "Scheduler", "SchedulerReport", "AccessTimeline", "TensorInfo", "Plan", "Swap",
+    "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
+    "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
+    "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
+]

@@ -1,0 +1,156 @@
+"""A memory plan as plain data: what to copy, drop and recompute, after which op.
+
+The planner (:mod:`tensile.planner`) makes a :class:`Plan`, the simulator
+(:mod:`tensile.simulate`) replays it on a timeline, the runtime (:mod:`tensile.runtime`)
+executes it. Ops are indices into the traced iteration; times are on the planner's
+simulated timeline (ms from the iteration start) and only say where the copies were
+placed on their channel: the runtime anchors every action to op boundaries.
+
+Semantics of one :class:`Swap` of a transient tensor (an activation saved for
+backward): the device→host copy is issued after ``out_issue_op``; the device copy is
+dropped after ``release_after_op``; the host→device copy is issued after
+``in_issue_op``; op ``use_op`` is the first access that needs it back. A
+*cross-iteration* swap (parameter or optimizer state) is copied out after its last
+update, dropped at the end of the step, and copied back in the next iteration
+(``in_issue_op`` then counts ops of the next iteration; ``-1`` = at its start).
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["Swap", "Recompute", "Plan"]
+
+
+@dataclass
+class Swap:
+    """A device→host copy and the later host→device copy of one tensor."""
+
+    sid: int
+    nbytes: int
+    cross_iteration: bool
+    out_issue_op: int
+    out_start_ms: float
+    out_end_ms: float
+    release_after_op: int
+    in_issue_op: int
+    in_start_ms: float
+    in_end_ms: float
+    use_op: int
+
+
+@dataclass
+class Recompute:
+    """Drop a tensor after ``release_after_op``; rerun ``producer_op`` before ``before_op``.
+
+    ``sources`` are the storages the producer reads; the plan keeps them resident and
+    unmodified until ``before_op``.
+    """
+
+    sid: int
+    nbytes: int
+    producer_op: int
+    release_after_op: int
+    before_op: int
+    cost_ms: float
+    sources: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one iteration of ``num_ops`` ops.
+
+    ``peak_before``/``peak_after`` are simulated resident bytes without/with the plan,
+    ``feasible`` says whether ``peak_after <= budget_bytes`` (always True without a
+    budget), ``est_overhead_ms`` the simulated extra time (recomputation; planned swaps
+    are hidden behind compute by construction), ``planner_ms`` the planner's wall time.
+    """
+
+    num_ops: int
+    budget_bytes: int | None
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    swaps: list[Swap] = field(default_factory=list)
+    recomputes: list[Recompute] = field(default_factory=list)
+    peak_before: int = 0
+    peak_after: int = 0
+    feasible: bool = True
+    est_overhead_ms: float = 0.0
+    iteration_ms: float = 0.0
+    planner_ms: float = 0.0
+
+    # ------------------------------------------------------------------ views
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory the runtime needs: one region per swapped tensor."""
+        return sum(s.nbytes for s in self.swaps)
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes copied per iteration, both directions together."""
+        return 2 * self.host_bytes
+
+    def actions(self) -> dict[int, list[str]]:
+        """Per op, what happens around it, in the order the runtime does it.
+
+        Key ``-1`` is the iteration start. Entries read ``"after: swap_out 12"``,
+        ``"after: release 12"``, ``"after: swap_in 12 (for op 80)"``,
+        ``"before: recompute 7"``.
+        """
+        acts: dict[int, list[tuple[int, float, str]]] = defaultdict(list)
+        for r in self.recomputes:
+            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {r.producer_op})"))
+            acts[r.release_after_op].append((2, 0.0, f"after: release {r.sid}"))
+        for s in self.swaps:
+            tag = " [next iteration]" if s.cross_iteration else ""
+            acts[s.out_issue_op].append((1, s.out_start_ms, f"after: swap_out {s.sid}"))
+            acts[s.release_after_op].append((2, 0.0, f"after: release {s.sid}"))
+            acts[s.in_issue_op].append(
+                (3, s.in_start_ms, f"after: swap_in {s.sid} (for op {s.use_op}){tag}"))
+        return {k: [a for _, _, a in sorted(v)] for k, v in sorted(acts.items())}
+
+    def summary(self) -> str:
+        """A few lines: peaks, budget, counts, overhead."""
+        mib = 1 << 20
+        saved = 1 - self.peak_after / self.peak_before if self.peak_before else 0.0
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.1f} MiB"
+        cross = sum(s.cross_iteration for s in self.swaps)
+        return (
+            f"TENSILE plan over {self.num_ops} ops ({self.iteration_ms:.2f} ms simulated)\n"
+            f"  peak {self.peak_before / mib:.1f} MiB -> {self.peak_after / mib:.1f} MiB "
+            f"(-{100 * saved:.1f} %), budget {budget}, feasible {self.feasible}\n"
+            f"  swaps {len(self.swaps)} ({cross} across iterations, "
+            f"{self.host_bytes / mib:.1f} MiB each way), recomputes {len(self.recomputes)}\n"
+            f"  est. overhead {self.est_overhead_ms:.3f} ms, planner {self.planner_ms:.1f} ms"
+        )
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        for k, acts in self.actions().items():
+            where = "start" if k < 0 else f"op {k}"
+            lines.extend(f"  {where}: {a}" for a in acts)
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ persistence
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        expected = set(cls.__dataclass_fields__)
+        if set(data) != expected:
+            raise ValueError(f"not a TENSILE plan: keys {sorted(set(data) ^ expected)} "
+                             "are missing or unexpected")
+        data["swaps"] = [Swap(**s) for s in data["swaps"]]
+        data["recomputes"] = [Recompute(**r) for r in data["recomputes"]]
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,291 @@
+"""TENSILE's greedy peak shaving (reference §6), pure Python on an access timeline.
+
+Each round:
+
+1. find the op ``p`` with the most resident bytes (the peak);
+2. **swap**: walk the tensors resident at ``p`` from the largest down and take the first
+   one whose copies fit fully hidden: the device→host copy in the *earliest* free slot
+   of the D2H channel after its last write and before ``p`` starts, the host→device
+   copy in the *latest* free slot of the H2D channel after ``p`` ends and before the
+   access that needs it. Activations move in their forward→backward gap; parameters and
+   optimizer state move across the iteration boundary (out after their update, in
+   before their first use in the next iteration);
+3. **recompute** (only with a budget, when no swap fits): among resident activations
+   whose producer reads only tensors that stay resident and unmodified until the
+   backward access, take the one with the most bytes freed per ms of recomputation;
+4. commit one tensor, update the memory curve, repeat.
+
+It stops when the budget is met, or, without a budget, when no hidden swap can lower
+the current peak: the peak is minimised at (simulated) zero extra time, as TENSILE
+does. Each direction is one channel whose busy intervals never overlap. Failed
+placements are remembered per (tensor, peak op): channels only fill up, so a copy that
+did not fit once never fits later.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+import numpy as np
+
+from .plan import Plan, Recompute, Swap
+from .simulate import simulate
+from .timeline import CROSS_ITERATION_ROLES, AccessTimeline
+
+__all__ = ["plan"]
+
+_EPS = 1e-9
+
+
+def plan(
+    timeline: AccessTimeline,
+    *,
+    budget_bytes: int | None = None,
+    d2h_bw: float,
+    h2d_bw: float,
+    allow_recompute: bool = True,
+    allow_cross_iteration: bool = True,
+    copy_latency_ms: float = 0.01,
+    min_bytes: int = 1,
+) -> Plan:
+    """Plan swaps and recomputation for one iteration.
+
+    ``d2h_bw``/``h2d_bw`` are copy bandwidths in bytes/s (measured, see
+    :func:`tensile.estimate.measure_copy_bandwidth`); every copy also costs
+    ``copy_latency_ms``. Tensors smaller than ``min_bytes`` are never moved.
+    ``budget_bytes=None`` minimises the peak with hidden swaps only.
+    """
+    _check_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
+    t0 = time.perf_counter()
+    st = _State(timeline, d2h_bw, h2d_bw, copy_latency_ms)
+    peak_before = int(st.mem.max()) if timeline.num_ops else 0
+    failed: set[tuple[int, int]] = set()
+    while timeline.num_ops:
+        p = int(np.argmax(st.mem))
+        if budget_bytes is not None and st.mem[p] <= budget_bytes:
+            break
+        if st.try_swap(p, allow_cross_iteration, min_bytes, failed):
+            continue
+        if budget_bytes is None or not allow_recompute:
+            break
+        if not st.try_recompute(p, min_bytes):
+            break
+    peak_after = int(st.mem.max()) if timeline.num_ops else 0
+    result = Plan(
+        num_ops=timeline.num_ops,
+        budget_bytes=budget_bytes,
+        d2h_bytes_per_s=float(d2h_bw),
+        h2d_bytes_per_s=float(h2d_bw),
+        swaps=sorted(st.swaps, key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
+        recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
+        peak_before=peak_before,
+        peak_after=peak_after,
+        feasible=budget_bytes is None or peak_after <= budget_bytes,
+        est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes)),
+        iteration_ms=timeline.iteration_ms,
+    )
+    # The incremental curve and an independent replay must agree; if not, the
+    # planner's bookkeeping is wrong and its claims cannot be trusted.
+    replay = simulate(timeline, result)
+    if not np.array_equal(replay.curve, st.mem):
+        raise AssertionError("TENSILE planner bug: incremental memory curve differs from replay")
+    result.planner_ms = (time.perf_counter() - t0) * 1e3
+    return result
+
+
+class _Channel:
+    """One copy direction: sorted, pairwise disjoint busy intervals ``[start, end)`` in ms."""
+
+    def __init__(self) -> None:
+        self.busy: list[tuple[float, float]] = []
+
+    def earliest(self, lo: float, hi: float, d: float) -> float | None:
+        """Earliest start ``>= lo`` of a free slot of length ``d`` ending by ``hi``."""
+        t = lo
+        for s, e in self.busy:
+            if e <= t + _EPS:
+                continue
+            if s >= t + d - _EPS:
+                break
+            t = e
+        return t if t + d <= hi + _EPS else None
+
+    def latest(self, lo: float, hi: float, d: float) -> float | None:
+        """Latest start of a free slot of length ``d`` inside ``[lo, hi]``."""
+        t = hi  # candidate end of the slot
+        for s, e in reversed(self.busy):
+            if s >= t - _EPS:
+                continue
+            if e <= t - d + _EPS:
+                break
+            t = s
+        return t - d if t - d >= lo - _EPS else None
+
+    def add(self, start: float, end: float) -> None:
+        bisect.insort(self.busy, (start, end))
+
+
+class _State:
+    """The planner's working state: memory curve, channels, committed actions."""
+
+    def __init__(self, tl: AccessTimeline, d2h_bw: float, h2d_bw: float, latency: float):
+        self.tl = tl
+        self.d2h_ms_per_byte = 1e3 / d2h_bw
+        self.h2d_ms_per_byte = 1e3 / h2d_bw
+        self.latency = latency
+        self.mem = tl.vanilla_curve()
+        self.sids = np.array(sorted(tl.tensors), dtype=np.int64)
+        info = [tl.tensors[int(s)] for s in self.sids]
+        self.nbytes = np.array([t.nbytes for t in info], dtype=np.int64)
+        rng = [tl.vanilla_range(t.sid) for t in info]
+        self.vlo = np.array([r[0] for r in rng], dtype=np.int64)
+        self.vhi = np.array([r[1] for r in rng], dtype=np.int64)
+        self.movable = np.array([t.swappable for t in info], dtype=bool)
+        self.free = np.ones(len(info), dtype=bool)  # neither moved nor pinned as a source
+        self.moved: set[int] = set()  # swapped or recomputed
+        self.row = {int(s): i for i, s in enumerate(self.sids)}
+        self.d2h, self.h2d = _Channel(), _Channel()
+        self.swaps: list[Swap] = []
+        self.recomputes: list[Recompute] = []
+
+    # -------------------------------------------------------------- helpers
+    def resident_candidates(self, p: int, min_bytes: int) -> list[int]:
+        """Movable, untouched tensors resident at op ``p``, largest first."""
+        ok = (self.vlo <= p) & (p <= self.vhi) & self.movable & self.free & (self.nbytes >= min_bytes)
+        idx = np.nonzero(ok)[0]
+        order = np.lexsort((self.sids[idx], -self.nbytes[idx]))
+        return [int(self.sids[i]) for i in idx[order]]
+
+    def commit(self, sid: int, lo: int, hi: int) -> None:
+        self.mem[lo:hi + 1] -= self.tl.tensors[sid].nbytes
+        self.free[self.row[sid]] = False
+        self.moved.add(sid)
+
+    # -------------------------------------------------------------- swaps
+    def try_swap(self, p: int, allow_cross: bool, min_bytes: int,
+                 failed: set[tuple[int, int]]) -> bool:
+        for sid in self.resident_candidates(p, min_bytes):
+            if (sid, p) in failed:
+                continue
+            t = self.tl.tensors[sid]
+            if t.persistent:
+                placed = self._place_cross(sid, p) if allow_cross and t.role in CROSS_ITERATION_ROLES else None
+            else:
+                placed = self._place_transient(sid, p)
+            if placed is None:
+                failed.add((sid, p))
+                continue
+            swap, lo, hi = placed
+            self.d2h.add(swap.out_start_ms, swap.out_end_ms)
+            self.h2d.add(swap.in_start_ms, swap.in_end_ms)
+            self.swaps.append(swap)
+            self.commit(sid, lo, hi)
+            return True
+        return False
+
+    def _durations(self, nbytes: int) -> tuple[float, float]:
+        return (self.latency + nbytes * self.d2h_ms_per_byte,
+                self.latency + nbytes * self.h2d_ms_per_byte)
+
+    def _place_transient(self, sid: int, p: int) -> tuple[Swap, int, int] | None:
+        """Swap an activation out in its forward→backward gap around op ``p``."""
+        tl, t = self.tl, self.tl.tensors[sid]
+        gap = tl.backward_gap(sid)
+        if gap is None or not gap[0] < p < gap[1]:
+            return None
+        i, j = gap
+        w = tl.last_write_at_or_before(sid, i)
+        d_out, d_in = self._durations(t.nbytes)
+        # Out: as early as possible once the data is final; done before p starts.
+        a = self.d2h.earliest(float(tl.end[w]), float(tl.start[p]), d_out)
+        if a is None:
+            return None
+        # In: as late as possible after p, done before the access that needs it.
+        c = self.h2d.latest(float(tl.end[p]), float(tl.start[j]), d_in)
+        if c is None:
+            return None
+        k_out, k_in = tl.last_op_ending_by(a), tl.last_op_ending_by(c)
+        release = max(i, k_out)
+        lo = tl.first_op_starting_at_or_after(max(a + d_out, float(tl.end[release])))
+        swap = Swap(sid=sid, nbytes=t.nbytes, cross_iteration=False,
+                    out_issue_op=k_out, out_start_ms=a, out_end_ms=a + d_out,
+                    release_after_op=release, in_issue_op=k_in, in_start_ms=c,
+                    in_end_ms=c + d_in, use_op=j)
+        return swap, lo, k_in
+
+    def _place_cross(self, sid: int, p: int) -> tuple[Swap, int, int] | None:
+        """Swap a parameter / optimizer state out after its update, in before next use."""
+        tl, t = self.tl, self.tl.tensors[sid]
+        nb = t.needed_by if t.needed_by is not None else t.first
+        if not p < nb:
+            return None
+        d_out, d_in = self._durations(t.nbytes)
+        # Out: after the last access, finished by the iteration end (the runtime waits
+        # for it there, so a copy running past the end would cost time).
+        a = self.d2h.earliest(float(tl.end[t.last]), tl.iteration_ms, d_out)
+        if a is None:
+            return None
+        c = self.h2d.latest(float(tl.end[p]), float(tl.start[nb]), d_in)
+        if c is None:
+            return None
+        k_in = tl.last_op_ending_by(c)
+        swap = Swap(sid=sid, nbytes=t.nbytes, cross_iteration=True,
+                    out_issue_op=tl.last_op_ending_by(a), out_start_ms=a,
+                    out_end_ms=a + d_out, release_after_op=tl.num_ops - 1,
+                    in_issue_op=k_in, in_start_ms=c, in_end_ms=c + d_in, use_op=nb)
+        return swap, 0, k_in
+
+    # -------------------------------------------------------------- recompute
+    def try_recompute(self, p: int, min_bytes: int) -> bool:
+        """Drop the resident activation with the most bytes freed per ms of recompute."""
+        tl = self.tl
+        best: tuple[float, int, Recompute] | None = None
+        for sid in self.resident_candidates(p, min_bytes):
+            t = tl.tensors[sid]
+            gap = tl.backward_gap(sid)
+            if t.persistent or gap is None or not gap[0] < p < gap[1]:
+                continue
+            if len(t.writes) != 1:  # an in-place update after the producer: one op cannot rebuild it
+                continue
+            prod, (i, j) = t.writes[0], gap
+            if tl.random[prod]:
+                continue
+            sources = [r for r in tl.reads[prod] if r != sid]
+            if not all(self._stays_put(r, prod, j) for r in sources):
+                continue
+            cost = float(tl.op_ms[prod])
+            score = t.nbytes / cost
+            if best is None or score > best[0]:
+                best = (score, sid, Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod,
+                                              release_after_op=i, before_op=j, cost_ms=cost,
+                                              sources=sources))
+        if best is None:
+            return False
+        r = best[2]
+        self.recomputes.append(r)
+        self.commit(r.sid, r.release_after_op + 1, r.before_op - 1)
+        for src in r.sources:  # they must stay put until the recompute: never move them
+            self.free[self.row[src]] = False
+        return True
+
+    def _stays_put(self, src: int, prod: int, j: int) -> bool:
+        """Is ``src`` resident and unmodified from op ``prod`` until op ``j``?"""
+        t = self.tl.tensors[src]
+        if src in self.moved:
+            return False
+        if not t.persistent and t.last < j:
+            return False
+        return not any(prod < w <= j for w in t.writes)
+
+
+def _check_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
+                               or budget <= 0):
+        raise ValueError(f"budget_bytes must be a positive int or None, got {budget!r}")
+    for name, bw in (("d2h_bw", d2h_bw), ("h2d_bw", h2d_bw)):
+        if not (isinstance(bw, (int, float)) and bw > 0 and np.isfinite(bw)):
+            raise ValueError(f"{name} must be a positive number of bytes/s, got {bw!r}")
+    if not (isinstance(latency, (int, float)) and latency >= 0):
+        raise ValueError(f"copy_latency_ms must be >= 0, got {latency!r}")
+    if not isinstance(min_bytes, (int, np.integer)) or min_bytes < 1:
+        raise ValueError(f"min_bytes must be an int >= 1, got {min_bytes!r}")

@@ -1,0 +1,304 @@
+"""Record one training step as a task graph, with what the runtime needs to act on it.
+
+``nimble.trace.trace_graph`` gives the same kind of graph; TENSILE's runtime needs
+three more facts, so it records its own step with the same conventions:
+
+* **positions**: for every op, the storage id of each device tensor among its
+  arguments and outputs, in flattening order. The runtime binds the tensors of a later
+  step to storage ids by position, so ids agree between recording and execution
+  without relying on memory addresses (which the caching allocator reuses);
+* **saved**: the storages autograd saved for backward (seen by a pack hook). Only those
+  can be moved by the runtime between forward and backward;
+* **needed_by**: for each parameter, the op before which its module's forward
+  pre-hook runs; that is where the runtime puts a swapped parameter back.
+
+Storage ids are handed out in order of first sight; a storage is identified by a weak
+reference to its ``StorageImpl`` (views and in-place ops share their base's id).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from nimble.graph import OpNode, TaskGraph
+
+from .step import split_batch, training_step
+from .timeline import AccessTimeline
+
+__all__ = ["Recording", "record_step", "device_tensors", "is_counted", "op_name"]
+
+
+def is_counted(func) -> bool:
+    """Ops that become graph nodes: not views/aliases, not profiler markers (no GPU work)."""
+    return not func.is_view and func.namespace != "profiler"
+
+
+_NAMES: dict = {}
+
+
+def op_name(func) -> str:
+    """``aten.convolution.default`` (cached: called once per op at run time)."""
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def device_tensors(tree, device_type: str) -> list[torch.Tensor]:
+    """Dense tensors on ``device_type`` with a non-empty storage, in flattening order."""
+    out = []
+    for x in tree_flatten(tree)[0]:
+        if isinstance(x, torch.Tensor) and x.device.type == device_type and x.layout == torch.strided:
+            try:
+                if x.untyped_storage().nbytes() > 0:
+                    out.append(x)
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                pass
+    return out
+
+
+class StorageIds:
+    """Live storage → small integer id, weakly held (a dead storage never matches)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.next_id = 0
+
+    def lookup(self, t: torch.Tensor) -> int | None:
+        ref = StorageWeakRef(t.untyped_storage())
+        hit = self._ids.get(ref.cdata)
+        return hit[1] if hit is not None and not hit[0].expired() else None
+
+    def get_or_new(self, t: torch.Tensor) -> tuple[int, bool]:
+        """``(id, is_new)``."""
+        sid = self.lookup(t)
+        if sid is not None:
+            return sid, False
+        ref = StorageWeakRef(t.untyped_storage())
+        sid = self.next_id
+        self.next_id += 1
+        self._ids[ref.cdata] = (ref, sid)
+        return sid, True
+
+
+@dataclass
+class Recording:
+    """One recorded training step (see the module docstring)."""
+
+    graph: TaskGraph
+    arg_sids: list[list[int]]
+    out_sids: list[list[int]]
+    roles: dict[int, str]
+    saved: set[int]
+    needed_by: dict[int, int]
+    random_ops: set[int]
+    param_names: dict[int, str] = field(default_factory=dict)     # sid -> parameter name
+    opt_state_keys: dict[int, tuple[int, str]] = field(default_factory=dict)  # sid -> (param index, key)
+    device_type: str = "cpu"
+
+    def timeline(self, op_ms: Sequence[float]) -> AccessTimeline:
+        """The access timeline of this step with the given op durations."""
+        swappable = {sid: (sid in self.saved) for sid, r in self.roles.items() if r == "activation"}
+        swappable.update({sid: sid in self.needed_by for sid, r in self.roles.items()
+                          if r in ("param", "opt_state")})
+        return AccessTimeline.from_graph(self.graph, op_ms, roles=self.roles,
+                                         swappable=swappable, needed_by=self.needed_by,
+                                         random_ops=self.random_ops)
+
+
+class _Recorder(TorchDispatchMode):
+    """Dispatch mode that turns every counted ATen op into an :class:`OpNode`."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.ids = StorageIds()
+        self.phase = "forward"
+        self.nodes: list[OpNode] = []
+        self.arg_sids: list[list[int]] = []
+        self.out_sids: list[list[int]] = []
+        self.first_read: set[int] = set()  # storages whose first access is a read
+        self.random_ops: set[int] = set()  # ops that draw random numbers
+        self.edges: set[tuple[int, int]] = set()
+        self._last_writer: dict[int, int] = {}
+        self._readers: dict[int, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not is_counted(func):
+            return out
+        k = len(self.nodes)
+        ins = device_tensors((args, kwargs), self.device_type)
+        outs = device_tensors(out, self.device_type)
+        arg_ids = []
+        for t in ins:
+            sid, new = self.ids.get_or_new(t)
+            if new:
+                self.first_read.add(sid)
+            arg_ids.append(sid)
+        out_ids = [self.ids.get_or_new(t)[0] for t in outs]
+        mutated = [self.ids.get_or_new(t)[0] for t in _mutated_args(func, args, kwargs, self.device_type)]
+        reads = list(dict.fromkeys(arg_ids))
+        writes = list(dict.fromkeys(out_ids + mutated))
+        sbytes = {sid: t.untyped_storage().nbytes() for sid, t in zip(arg_ids + out_ids, ins + outs)}
+        self._add_edges(k, reads, writes)
+        self.nodes.append(OpNode(
+            index=k, name=op_name(func),
+            input_shapes=[tuple(t.shape) for t in ins], input_dtypes=[str(t.dtype) for t in ins],
+            output_shapes=[tuple(t.shape) for t in outs], output_dtypes=[str(t.dtype) for t in outs],
+            bytes_read=sum(t.nbytes for t in ins), bytes_written=sum(t.nbytes for t in outs),
+            flops=_flops(func, args, kwargs, out), reads=reads, writes=writes,
+            storage_bytes=sbytes, phase=self.phase))
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random_ops.add(k)
+        self.arg_sids.append(arg_ids)
+        self.out_sids.append(out_ids)
+        return out
+
+    def _add_edges(self, k: int, reads: list[int], writes: list[int]) -> None:
+        """Read-after-write, write-after-read and write-after-write edges per storage."""
+        for sid in reads:
+            if sid in self._last_writer:
+                self.edges.add((self._last_writer[sid], k))
+        for sid in writes:
+            if sid in self._last_writer and self._last_writer[sid] != k:
+                self.edges.add((self._last_writer[sid], k))
+            for r in self._readers.get(sid, []):
+                if r != k:
+                    self.edges.add((r, k))
+        for sid in reads:
+            self._readers.setdefault(sid, []).append(k)
+        for sid in writes:
+            self._last_writer[sid] = k
+            self._readers[sid] = []
+
+
+def _mutated_args(func, args, kwargs, device_type: str) -> list[torch.Tensor]:
+    """Arguments the op writes in place (schema alias info ``(a!)``)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        val = args[i] if i < len(args) else kwargs.get(a.name)
+        out.extend(device_tensors(val, device_type))
+    return out
+
+
+def _flops(func, args, kwargs, out) -> int:
+    f = flop_registry.get(func.overloadpacket)
+    if f is None:
+        return 0
+    try:
+        return int(f(*args, **kwargs, out_val=out))
+    except Exception:  # a formula that does not cover this overload: count no FLOPs
+        return 0
+
+
+def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
+                loss_fn: Callable | None) -> Recording:
+    """Run one real training step (it updates the model) and record it.
+
+    Run it on a step whose op sequence repeats (the optimizer's state already exists),
+    see :class:`tensile.api.Scheduler`, which restores the model afterwards.
+    """
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("the model has no parameters")
+    device_type = params[0].device.type
+    rec = _Recorder(device_type)
+    saved: set[int] = set()
+    prehook_at: dict[int, int] = {}  # id(param) -> op index when its module's pre-hook ran
+
+    def pack(t: torch.Tensor):
+        if t.device.type == device_type and t.layout == torch.strided:
+            sid = rec.ids.lookup(t)
+            if sid is not None:
+                saved.add(sid)
+        return t
+
+    def pre_hook(module: nn.Module, _inputs) -> None:
+        for p in module._parameters.values():
+            if p is not None and id(p) not in prehook_at:
+                prehook_at[id(p)] = len(rec.nodes)
+
+    def on_phase(phase: str | None) -> None:
+        if phase is not None:
+            rec.phase = phase
+
+    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
+            training_step(model, optimizer, batch, loss_fn, on_phase=on_phase)
+    finally:
+        for h in handles:
+            h.remove()
+
+    graph = TaskGraph(nodes=rec.nodes, edges=sorted(rec.edges), device=device_type)
+    roles, param_names, opt_keys = _roles(rec, model, optimizer, batch, loss_fn)
+    graph.params = sorted(s for s, r in roles.items() if r in ("param", "buffer"))
+    graph.inputs = sorted(s for s, r in roles.items() if r == "input")
+    for sid in rec.first_read:  # existed before the step but is none of the known objects
+        roles.setdefault(sid, "other")
+    first_access: dict[int, int] = {}
+    for n in rec.nodes:
+        for sid in n.reads + n.writes:
+            first_access.setdefault(sid, n.index)
+    needed_by: dict[int, int] = {}
+    named = dict(model.named_parameters())
+    for sid, name in param_names.items():
+        at = prehook_at.get(id(named[name]))
+        if at is not None and sid in first_access and at <= first_access[sid]:
+            needed_by[sid] = at
+    opt_start = next((n.index for n in rec.nodes if n.phase == "optimizer"), None)
+    if opt_start is not None:
+        for sid in opt_keys:
+            if sid in first_access and first_access[sid] >= opt_start:
+                needed_by[sid] = opt_start
+    return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
+                     saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
+                     param_names=param_names, opt_state_keys=opt_keys, device_type=device_type)
+
+
+def _roles(rec: _Recorder, model, optimizer, batch, loss_fn):
+    """Roles of the storages of known objects: parameters, optimizer state, buffers, inputs."""
+    roles: dict[int, str] = {}
+    param_names: dict[int, str] = {}
+    opt_keys: dict[int, tuple[int, str]] = {}
+    shared: set[int] = set()
+    for name, p in model.named_parameters():
+        sid = rec.ids.lookup(p)
+        if sid is not None and sid in param_names:
+            shared.add(sid)  # several parameters in one storage: never moved (see below)
+        elif sid is not None and sid not in roles:
+            roles[sid] = "param"
+            param_names[sid] = name
+    for sid in shared:
+        # Re-pointing one parameter's .data would split it from its siblings' storage.
+        del param_names[sid]
+    all_params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(all_params):
+        for key, v in optimizer.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and v.device.type == rec.device_type:
+                sid = rec.ids.lookup(v)
+                if sid is not None and sid not in roles:
+                    roles[sid] = "opt_state"
+                    opt_keys[sid] = (i, key)
+    for b in model.buffers():
+        sid = rec.ids.lookup(b)
+        if sid is not None:
+            roles.setdefault(sid, "buffer")
+    inputs, target = split_batch(batch, loss_fn)
+    for t in device_tensors((inputs, target), rec.device_type):
+        sid = rec.ids.lookup(t)
+        if sid is not None:
+            roles.setdefault(sid, "input")
+    return roles, param_names, opt_keys
+

@@ -1,0 +1,368 @@
+"""The access timeline of one training iteration: who holds how much memory, when.
+
+TENSILE plans on a simulated timeline (reference §3.2, §6 "Build"): operators run one
+after another in trace order, op ``k`` occupies ``[start[k], end[k])`` in milliseconds,
+and every tensor (here: every *storage*, so views and in-place ops are one tensor) has
+a size, the ops that access it and a role.
+
+Residency rules used by the planner and the simulator (both count whole ops, not ms):
+
+* a *transient* tensor (role ``activation``: made inside the iteration) is resident from
+  the op that first writes it to the op that last accesses it, inclusive;
+* a *persistent* tensor (parameter, optimizer state, input, buffer, anything that
+  existed before the iteration) is resident during every op. The timeline is periodic:
+  op 0 of the next iteration follows op ``n - 1``.
+
+A timeline is built from a :class:`nimble.graph.TaskGraph` (:meth:`AccessTimeline.from_graph`)
+or by hand (:meth:`AccessTimeline.from_ops`), which is what the tests do.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "ROLES",
+    "PERSISTENT_ROLES",
+    "CROSS_ITERATION_ROLES",
+    "PHASES",
+    "FORWARD_PHASES",
+    "TensorInfo",
+    "AccessTimeline",
+]
+
+ROLES = ("activation", "param", "opt_state", "input", "buffer", "other")
+PERSISTENT_ROLES = frozenset(ROLES) - {"activation"}
+# Only these may leave the device across the iteration boundary (issue: "parameters and
+# optimizer state may be swapped out after their update and back in before first use").
+CROSS_ITERATION_ROLES = frozenset({"param", "opt_state"})
+PHASES = ("forward", "loss", "backward", "optimizer")
+FORWARD_PHASES = frozenset({"forward", "loss"})
+
+# Substrings of ATen op names that draw random numbers: recomputing them would give a
+# different result, so they are never recomputed (used when a graph carries no tags).
+_RANDOM_OP_WORDS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial",
+                    "exponential", "geometric", "cauchy", "log_normal", "random_")
+
+
+@dataclass
+class TensorInfo:
+    """One storage of the iteration.
+
+    ``accesses`` and ``writes`` are sorted, de-duplicated op indices (every write is
+    also an access). ``swappable`` says whether the runtime can move it at all (an
+    activation saved for backward, a parameter restorable before its module runs, an
+    optimizer state tensor); the planner still checks the timing. ``needed_by`` is, for
+    persistent tensors, the op before which the runtime puts it back (default: the
+    first access).
+    """
+
+    sid: int
+    nbytes: int
+    role: str
+    accesses: list[int]
+    writes: list[int]
+    swappable: bool = False
+    needed_by: int | None = None
+
+    @property
+    def persistent(self) -> bool:
+        return self.role in PERSISTENT_ROLES
+
+    @property
+    def first(self) -> int:
+        return self.accesses[0]
+
+    @property
+    def last(self) -> int:
+        return self.accesses[-1]
+
+
+@dataclass
+class AccessTimeline:
+    """Ops on a serial timeline plus the tensors they touch.
+
+    Per op ``k``: ``names[k]``, ``phases[k]``, ``op_ms[k]`` (estimated or measured
+    duration), ``random[k]`` (draws random numbers), ``reads[k]`` / ``writes[k]``
+    (storage ids). ``start``/``end`` are derived: ``end[k] = start[k] + op_ms[k]``.
+    """
+
+    names: list[str]
+    phases: list[str]
+    op_ms: np.ndarray
+    random: list[bool]
+    reads: list[list[int]]
+    writes: list[list[int]]
+    tensors: dict[int, TensorInfo]
+    start: np.ndarray = field(init=False, repr=False)
+    end: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.op_ms = np.asarray(self.op_ms, dtype=np.float64)
+        self.end = np.cumsum(self.op_ms)
+        self.start = self.end - self.op_ms
+
+    # ------------------------------------------------------------------ basic facts
+    @property
+    def num_ops(self) -> int:
+        return len(self.names)
+
+    @property
+    def iteration_ms(self) -> float:
+        return float(self.end[-1]) if self.num_ops else 0.0
+
+    def vanilla_range(self, sid: int) -> tuple[int, int]:
+        """Ops ``(lo, hi)`` (inclusive) during which the tensor is resident without a plan."""
+        t = self.tensors[sid]
+        return (0, self.num_ops - 1) if t.persistent else (t.first, t.last)
+
+    def vanilla_curve(self) -> np.ndarray:
+        """Resident bytes during each op, without any plan (int64 array of length n)."""
+        diff = np.zeros(self.num_ops + 1, dtype=np.int64)
+        for sid, t in self.tensors.items():
+            lo, hi = self.vanilla_range(sid)
+            diff[lo] += t.nbytes
+            diff[hi + 1] -= t.nbytes
+        return np.cumsum(diff[:-1])
+
+    def backward_gap(self, sid: int) -> tuple[int, int] | None:
+        """``(i, j)``: the last forward/loss access and the first backward access.
+
+        Between them a transient tensor is only referenced by autograd's saved-tensor
+        slot, so the runtime can swap or drop it there. Inside the forward pass Python
+        code may still hold the tensor (a residual branch, say): moving it there would
+        free nothing, so this is the only gap a transient tensor is moved in.
+        Returns ``None`` when the tensor has no such gap.
+        """
+        t = self.tensors[sid]
+        if t.persistent:
+            return None
+        fwd = [a for a in t.accesses if self.phases[a] in FORWARD_PHASES]
+        bwd = [a for a in t.accesses if self.phases[a] == "backward"]
+        if not fwd or not bwd:
+            return None
+        i, j = fwd[-1], bwd[0]
+        if j <= i + 1:
+            return None
+        return i, j
+
+    def last_write_at_or_before(self, sid: int, op: int) -> int:
+        """The last op ``<= op`` that writes ``sid`` (its data is final after that op)."""
+        ws = [w for w in self.tensors[sid].writes if w <= op]
+        if not ws:
+            raise ValueError(f"tensor {sid} is not written at or before op {op}")
+        return ws[-1]
+
+    def last_op_ending_by(self, t_ms: float) -> int:
+        """The last op whose end is ``<= t_ms`` (``-1``: none, i.e. the iteration start).
+
+        A copy planned to start at ``t_ms`` is issued after this op.
+        """
+        return int(np.searchsorted(self.end, t_ms + 1e-9, side="right")) - 1
+
+    def first_op_starting_at_or_after(self, t_ms: float) -> int:
+        """The first op whose start is ``>= t_ms`` (``num_ops`` if none)."""
+        return int(np.searchsorted(self.start, t_ms - 1e-9, side="left"))
+
+    def with_op_times(self, op_ms: Sequence[float]) -> "AccessTimeline":
+        """The same accesses with new op durations (after a measurement)."""
+        _check_op_ms(op_ms, self.num_ops)
+        return AccessTimeline(self.names, self.phases, np.asarray(op_ms, dtype=np.float64),
+                              self.random, self.reads, self.writes, self.tensors)
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_ops(
+        cls,
+        ops: Sequence[tuple[str, str, float, Iterable[int], Iterable[int]]],
+        sizes: Mapping[int, int],
+        roles: Mapping[int, str] | None = None,
+        *,
+        swappable: Mapping[int, bool] | None = None,
+        needed_by: Mapping[int, int] | None = None,
+        random_ops: Iterable[int] | None = None,
+    ) -> "AccessTimeline":
+        """Build a timeline by hand.
+
+        ``ops`` are ``(name, phase, ms, reads, writes)`` in execution order; ``sizes``
+        maps every storage id to its bytes; ``roles`` defaults to ``activation`` for
+        storages first written inside the iteration and ``other`` for those first read.
+        ``swappable`` overrides the default eligibility (activations with a
+        forward→backward gap, parameters, optimizer state). ``random_ops`` lists op
+        indices that draw random numbers (default: guessed from the op name).
+        """
+        roles = dict(roles or {})
+        n = len(ops)
+        names, phases, op_ms, reads, writes = [], [], [], [], []
+        accesses: dict[int, list[int]] = {}
+        wr: dict[int, list[int]] = {}
+        first_is_read: dict[int, bool] = {}
+        for k, op in enumerate(ops):
+            if len(op) != 5:
+                raise ValueError(f"op {k}: expected (name, phase, ms, reads, writes), got {op!r}")
+            name, phase, ms, r, w = op
+            if phase not in PHASES:
+                raise ValueError(f"op {k} ({name}): phase must be one of {PHASES}, got {phase!r}")
+            r, w = _unique(r), _unique(w)
+            for sid in r + w:
+                if sid not in sizes:
+                    raise ValueError(f"op {k} ({name}) touches storage {sid}, which has no size")
+                if sid not in accesses:
+                    accesses[sid] = []
+                    first_is_read[sid] = sid in r and sid not in w
+                if not accesses[sid] or accesses[sid][-1] != k:
+                    accesses[sid].append(k)
+            for sid in w:
+                wr.setdefault(sid, []).append(k)
+            names.append(str(name))
+            phases.append(phase)
+            op_ms.append(ms)
+            reads.append(r)
+            writes.append(w)
+        _check_op_ms(op_ms, n)
+        rnd = set(random_ops) if random_ops is not None else {
+            k for k, nm in enumerate(names) if _looks_random(nm)}
+
+        tensors: dict[int, TensorInfo] = {}
+        for sid, acc in accesses.items():
+            nbytes = sizes[sid]
+            if not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+                raise ValueError(f"storage {sid}: size must be a non-negative int, got {nbytes!r}")
+            role = roles.get(sid, "other" if first_is_read[sid] else "activation")
+            if role not in ROLES:
+                raise ValueError(f"storage {sid}: role must be one of {ROLES}, got {role!r}")
+            if role == "activation" and first_is_read[sid]:
+                raise ValueError(
+                    f"storage {sid} is read at op {acc[0]} before any op writes it, so it "
+                    "existed before the iteration; give it a persistent role "
+                    f"({sorted(PERSISTENT_ROLES)}), not 'activation'")
+            tensors[sid] = TensorInfo(sid=sid, nbytes=int(nbytes), role=role, accesses=acc,
+                                      writes=wr.get(sid, []))
+        tl = cls(names, phases, np.asarray(op_ms, dtype=np.float64),
+                 [k in rnd for k in range(n)], reads, writes, tensors)
+
+        nb = dict(needed_by or {})
+        for sid, t in tensors.items():
+            if t.persistent:
+                t.needed_by = nb.get(sid, t.first)
+                if t.needed_by > t.first:
+                    raise ValueError(f"storage {sid}: needed_by={t.needed_by} is after its "
+                                     f"first access (op {t.first})")
+                t.swappable = t.role in CROSS_ITERATION_ROLES and t.needed_by > 0
+            else:
+                t.swappable = tl.backward_gap(sid) is not None
+        for sid, ok in (swappable or {}).items():
+            if sid in tensors:
+                tensors[sid].swappable = bool(ok) and tensors[sid].swappable
+        return tl
+
+    @classmethod
+    def from_graph(
+        cls,
+        graph,
+        op_times_ms: Sequence[float],
+        *,
+        roles: Mapping[int, str] | None = None,
+        swappable: Mapping[int, bool] | None = None,
+        needed_by: Mapping[int, int] | None = None,
+        random_ops: Iterable[int] | None = None,
+    ) -> "AccessTimeline":
+        """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
+
+        Roles default to: ``graph.params`` → ``param`` (buffers included),
+        ``graph.inputs`` → ``input``; a storage that existed before the iteration (first
+        touched by a pure read or by an in-place update, but not by a whole overwrite
+        such as ``copy_``/``fill_``) → ``opt_state`` when the optimizer phase writes it,
+        else ``other``; everything else → ``activation``. Without ``swappable`` every
+        activation with a forward→backward gap counts as movable: right for analysis;
+        the runtime uses :meth:`tensile.record.Recording.timeline`, which knows which
+        tensors autograd really saved.
+        ``op_times_ms`` gives one duration per node (see :mod:`tensile.estimate`).
+        """
+        nodes = graph.nodes
+        if len(op_times_ms) != len(nodes):
+            raise ValueError(f"op_times_ms has {len(op_times_ms)} entries, the graph "
+                             f"has {len(nodes)} nodes")
+        sizes: dict[int, int] = {}
+        ops = []
+        for n in nodes:
+            for sid, b in n.storage_bytes.items():
+                sizes[sid] = max(sizes.get(sid, 0), int(b))
+            for sid in list(n.reads) + list(n.writes):
+                if sid not in n.storage_bytes:
+                    raise ValueError(f"node {n.index} ({n.name}) touches storage {sid} "
+                                     "but has no storage_bytes entry for it")
+            ops.append((n.name, n.phase, op_times_ms[n.index], n.reads, n.writes))
+        auto = _graph_roles(graph)
+        auto.update(roles or {})
+        return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
+                            random_ops=random_ops)
+
+
+def _graph_roles(graph) -> dict[int, str]:
+    """Default roles for the storages of a TaskGraph (see :meth:`AccessTimeline.from_graph`)."""
+    roles: dict[int, str] = {sid: "param" for sid in graph.params}
+    roles.update({sid: "input" for sid in graph.inputs})
+    seen: set[int] = set()
+    pre_existing: set[int] = set()
+    opt_written: set[int] = set()
+    for n in graph.nodes:
+        for sid in list(n.reads) + list(n.writes):
+            if sid not in seen:
+                seen.add(sid)
+                if _existed_before(n, sid):
+                    pre_existing.add(sid)
+        if n.phase == "optimizer":
+            opt_written.update(n.writes)
+    for sid in pre_existing:
+        if sid not in roles:
+            roles[sid] = "opt_state" if sid in opt_written else "other"
+    return roles
+
+
+# In-place ops that overwrite a whole fresh allocation. Traces that skip bare allocations
+# (``aten.empty``) show such a storage first touched by one of these: it is new, not old.
+_OVERWRITES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_",
+               "exponential_", "geometric_", "cauchy_", "log_normal_"}
+
+
+def _existed_before(node, sid: int) -> bool:
+    """Did ``sid`` hold data before ``node``, the first op that touches it?"""
+    base = _base_name(node.name)
+    if base in _OVERWRITES:
+        return False
+    if sid in node.reads and sid not in node.writes:
+        return True  # read before anything in the iteration wrote it
+    return base.endswith("_") and not base.endswith("__")  # updated in place
+
+
+def _base_name(name: str) -> str:
+    """``aten.add_.Tensor`` → ``add_``."""
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]
+
+
+def _looks_random(name: str) -> bool:
+    low = name.lower()
+    return any(w in low for w in _RANDOM_OP_WORDS)
+
+
+def _unique(xs: Iterable[int]) -> list[int]:
+    out: list[int] = []
+    for x in xs:
+        x = int(x)
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def _check_op_ms(op_ms: Sequence[float], n: int) -> None:
+    if len(op_ms) != n:
+        raise ValueError(f"expected {n} op times, got {len(op_ms)}")
+    for k, ms in enumerate(op_ms):
+        if not (isinstance(ms, (int, float, np.floating, np.integer)) and math.isfinite(ms)
+                and ms > 0):
+            raise ValueError(f"op {k}: time must be a positive finite number of ms, got {ms!r}")

@@ -1,0 +1,135 @@
+"""TENSILE runtime on a real GPU: streams, pinned pool, events, allocator peaks."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import tensile
+from tensile.step import training_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="TENSILE's runtime copies on CUDA streams: needs a CUDA GPU"),
+]
+
+STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    """Bit-identity needs deterministic kernels (no atomics in conv backward)."""
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def make_cnn(width: int = 32, depth: int = 6) -> nn.Module:
+    """Conv-BN-ReLU blocks (no max-pool: its CUDA backward uses atomics)."""
+    torch.manual_seed(0)
+    layers, c = [], 3
+    for _ in range(depth):
+        layers += [nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
+        c = width
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10)]
+    return nn.Sequential(*layers).cuda()
+
+
+def batches(n: int, batch: int = 16, hw: int = 32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 3, hw, hw, generator=g).cuda(),
+             torch.randint(0, 10, (batch,), generator=g).cuda()) for _ in range(n)]
+
+
+def states(model, opt):
+    out = list(model.state_dict().values())
+    for p in model.parameters():
+        out += [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def run(n, data, sched_kwargs=None, late=False, **model_kw):
+    """Train ``n`` steps, vanilla (``sched_kwargs=None``) or scheduled; returns peaks too."""
+    model = make_cnn(**model_kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = None
+    if sched_kwargs is not None:
+        sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **sched_kwargs)
+        if late:
+            last = sched.plan.num_ops - 1
+            bad = copy.deepcopy(sched.plan)
+            bad.swaps = [dataclasses.replace(s, in_issue_op=last) for s in bad.swaps]
+            sched.runner.set_plan(bad)
+    step = (lambda b: sched.step(*b)) if sched else (
+        lambda b: training_step(model, opt, b, nn.functional.cross_entropy))
+    for b in data[:3]:  # warm-up outside the measured window
+        step(b)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for b in data[3:n]:
+        step(b)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    if sched:
+        sched.restore_parameters()
+    return model, opt, sched, peak
+
+
+def test_swap_only_plan_is_bit_identical_on_gpu():
+    data = batches(STEPS)
+    m0, o0, _, _ = run(STEPS, data)
+    m1, o1, sched, _ = run(STEPS, data, dict(allow_recompute=False))
+    rep = sched.report()
+    print(sched.plan.summary(), rep, sep="\n")
+    assert sched.plan.swaps, "expected swaps to be planned"
+    assert rep.swap_outs > 0 and rep.ineffective_releases == 0
+    for a, b in zip(states(m0, o0), states(m1, o1)):
+        assert torch.equal(a, b)
+
+
+def planned_vanilla_peak(data, **model_kw) -> int:
+    """The planner's vanilla peak (traced tensor bytes), to set budgets relative to it."""
+    model = make_cnn(**model_kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    s = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, replan=False)
+    return s.plan.peak_before
+
+
+def test_budget_lowers_the_allocator_peak():
+    data = batches(10, batch=64, hw=64)
+    _, _, _, peak0 = run(10, data, width=64)
+    budget = int(0.6 * planned_vanilla_peak(data, width=64))
+    _, _, sched, peak1 = run(10, data, dict(budget=budget), width=64)
+    rep = sched.report()
+    print(sched.plan.summary(), rep, f"allocator peak: vanilla {peak0 / 2**20:.1f} MiB, "
+          f"scheduled {peak1 / 2**20:.1f} MiB", sep="\n")
+    assert peak1 < peak0
+    assert rep.passive_share < 0.5
+
+
+def test_late_swap_in_is_passive_on_gpu():
+    data = batches(6)
+    m0, o0, _, _ = run(6, data)
+    m1, o1, sched, _ = run(6, data, dict(allow_recompute=False, replan=False), late=True)
+    rep = sched.report()
+    assert rep.passive_swap_ins > 0 and rep.passive_share == 1.0
+    for a, b in zip(states(m0, o0), states(m1, o1)):
+        assert torch.equal(a, b)
+
+
+def test_recompute_plan_within_tolerance_on_gpu():
+    data = batches(8)
+    m0, o0, _, _ = run(8, data)
+    budget = int(0.7 * planned_vanilla_peak(data))
+    m1, o1, sched, _ = run(8, data, dict(budget=budget, d2h_bw=1e3, h2d_bw=1e3, replan=False,
+                                         allow_cross_iteration=False))
+    if not sched.plan.recomputes:
+        pytest.skip("no recomputable activation in this model at this budget")
+    assert sched.report().recomputes > 0
+    for a, b in zip(states(m0, o0), states(m1, o1)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,330 @@
+"""TENSILE planner: property tests on random training-like timelines, plus small cases."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tensile.plan import Plan, Recompute, Swap
+from tensile.planner import plan
+from tensile.simulate import simulate
+from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
+
+EPS = 1e-6
+MB = 1 << 20
+
+
+# --------------------------------------------------------------------------- random timelines
+@st.composite
+def timelines(draw):
+    """A random iteration: forward, loss, backward, optimizer, with the usual tensor kinds."""
+    n_fwd = draw(st.integers(2, 10))
+    n_bwd = draw(st.integers(2, 10))
+    n_opt = draw(st.integers(1, 5))
+    phases = ["forward"] * n_fwd + ["loss"] + ["backward"] * n_bwd + ["optimizer"] * n_opt
+    n = len(phases)
+    fwd = range(0, n_fwd)
+    bwd = range(n_fwd + 1, n_fwd + 1 + n_bwd)
+    opt = range(n_fwd + 1 + n_bwd, n)
+    reads = [set() for _ in range(n)]
+    writes = [set() for _ in range(n)]
+    sizes, roles, needed = {}, {}, {}
+    sid = 0
+    size = st.integers(1, 4 * MB)
+
+    def new(role, nbytes):
+        nonlocal sid
+        sid += 1
+        sizes[sid] = nbytes
+        if role != "activation":
+            roles[sid] = role
+        return sid
+
+    x = new("input", draw(size))
+    reads[0].add(x)
+    for _ in range(draw(st.integers(1, 4))):  # parameters with optimizer state
+        p = new("param", draw(size))
+        use = draw(st.sampled_from(fwd))
+        reads[use].add(p)
+        reads[draw(st.sampled_from(bwd))].add(p)
+        up = draw(st.sampled_from(opt))
+        reads[up].add(p)
+        writes[up].add(p)
+        needed[p] = draw(st.integers(0, use))
+        s = new("opt_state", draw(size))
+        at = draw(st.sampled_from(opt))
+        reads[at].add(s)
+        writes[at].add(s)
+        g = new("activation", draw(size))  # its gradient: made in backward, read by the update
+        writes[draw(st.sampled_from(bwd))].add(g)
+        reads[draw(st.sampled_from(opt))].add(g)
+    for _ in range(draw(st.integers(1, 14))):  # activations
+        a = new("activation", draw(size))
+        prod = draw(st.sampled_from(fwd))
+        writes[prod].add(a)
+        if draw(st.booleans()):  # an input of the producer, so recomputation has sources
+            reads[prod].add(x)
+        for _ in range(draw(st.integers(0, 2))):
+            later = [k for k in fwd if k > prod]
+            if later:
+                reads[draw(st.sampled_from(later))].add(a)
+        for _ in range(draw(st.integers(0, 2))):
+            reads[draw(st.sampled_from(bwd))].add(a)
+        if draw(st.integers(0, 5)) == 0:  # an occasional in-place update in forward
+            later = [k for k in fwd if k > prod]
+            if later:
+                k = draw(st.sampled_from(later))
+                reads[k].add(a)
+                writes[k].add(a)
+    ops = [(f"op{k}", phases[k], draw(st.floats(0.05, 5.0)), sorted(reads[k]), sorted(writes[k]))
+           for k in range(n)]
+    random_ops = {k for k in fwd if draw(st.integers(0, 6)) == 0}
+    return AccessTimeline.from_ops(ops, sizes, roles, needed_by=needed, random_ops=random_ops)
+
+
+bandwidths = st.floats(1e7, 1e11)
+
+
+# --------------------------------------------------------------------------- checks
+def check_plan(tl: AccessTimeline, p: Plan) -> None:
+    """Every invariant a plan must satisfy on its timeline."""
+    sim = simulate(tl, p)
+    assert sim.peak == p.peak_after
+    assert p.peak_before == int(tl.vanilla_curve().max())
+    assert p.peak_after <= p.peak_before
+    if p.budget_bytes is not None:
+        assert p.feasible == (sim.peak <= p.budget_bytes)
+    else:
+        assert p.feasible and not p.recomputes and p.est_overhead_ms == 0
+
+    moved = [s.sid for s in p.swaps] + [r.sid for r in p.recomputes]
+    assert len(moved) == len(set(moved)), "a tensor is planned twice"
+    for s in p.swaps:
+        check_swap(tl, s)
+    for r in p.recomputes:
+        check_recompute(tl, r, set(moved))
+    for intervals in ([(s.out_start_ms, s.out_end_ms) for s in p.swaps],
+                      [(s.in_start_ms, s.in_end_ms) for s in p.swaps]):
+        intervals.sort()
+        for (a0, a1), (b0, b1) in zip(intervals, intervals[1:]):
+            assert b0 >= a1 - EPS, f"copies overlap on one channel: {(a0, a1)} and {(b0, b1)}"
+    assert Plan.from_json(p.to_json()) == p
+
+
+def check_swap(tl: AccessTimeline, s: Swap) -> None:
+    t = tl.tensors[s.sid]
+    assert t.swappable
+    assert s.out_end_ms > s.out_start_ms >= tl.end[s.out_issue_op] - EPS
+    assert s.in_end_ms > s.in_start_ms
+    if s.in_issue_op >= 0:
+        assert s.in_start_ms >= tl.end[s.in_issue_op] - EPS
+    assert s.in_issue_op < s.use_op, "swap-in issued at or after the access that needs it"
+    assert s.in_end_ms <= tl.start[s.use_op] + EPS, "swap-in overlaps the access that needs it"
+    if s.cross_iteration:
+        assert t.role in CROSS_ITERATION_ROLES, f"cross-iteration swap of a {t.role}"
+        assert s.out_start_ms >= tl.end[t.last] - EPS, "copied out before its last update"
+        assert s.out_end_ms <= tl.iteration_ms + EPS
+        assert s.use_op <= t.first
+    else:
+        assert not t.persistent
+        assert s.in_start_ms >= s.out_end_ms - EPS
+        before = [a for a in t.accesses if a < s.use_op]
+        assert s.release_after_op >= before[-1], "released before its last read"
+        assert not [a for a in t.accesses if s.release_after_op < a < s.use_op]
+        last_write = max(w for w in t.writes if w <= s.release_after_op)
+        assert s.out_start_ms >= tl.end[last_write] - EPS, "copied out before its last write"
+        assert s.use_op in t.accesses
+
+
+def check_recompute(tl: AccessTimeline, r: Recompute, moved: set[int]) -> None:
+    t = tl.tensors[r.sid]
+    assert not t.persistent and t.writes == [r.producer_op]
+    assert not tl.random[r.producer_op]
+    before = [a for a in t.accesses if a < r.before_op]
+    assert r.release_after_op >= before[-1], "released before its last read"
+    assert not [a for a in t.accesses if r.release_after_op < a < r.before_op]
+    assert r.before_op in t.accesses
+    for src in r.sources:
+        st_ = tl.tensors[src]
+        assert src not in moved, "a recompute source is itself moved"
+        assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
+        assert not [w for w in st_.writes if r.producer_op < w <= r.before_op]
+
+
+# --------------------------------------------------------------------------- properties
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tl=timelines(), d2h=bandwidths, h2d=bandwidths, frac=st.floats(0.05, 1.0),
+       use_budget=st.booleans(), recompute=st.booleans(), cross=st.booleans())
+def test_plan_invariants(tl, d2h, h2d, frac, use_budget, recompute, cross):
+    budget = max(1, int(frac * tl.vanilla_curve().max())) if use_budget else None
+    p = plan(tl, budget_bytes=budget, d2h_bw=d2h, h2d_bw=h2d, allow_recompute=recompute,
+             allow_cross_iteration=cross)
+    check_plan(tl, p)
+    if not cross:
+        assert not any(s.cross_iteration for s in p.swaps)
+    if not recompute:
+        assert not p.recomputes
+
+
+@settings(max_examples=80, deadline=None)
+@given(tl=timelines(), bw=bandwidths, frac=st.floats(0.0, 1.0))
+def test_reachable_budget_is_met(tl, bw, frac):
+    """A budget between the no-budget plan's peak and the vanilla peak is always met."""
+    free = plan(tl, d2h_bw=bw, h2d_bw=bw)
+    budget = max(1, free.peak_after + int(frac * (free.peak_before - free.peak_after)))
+    p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw)
+    assert p.feasible and simulate(tl, p).peak <= budget
+    check_plan(tl, p)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tl=timelines(), bw=st.floats(1e3, 1e6), frac=st.floats(0.3, 1.0))
+def test_recompute_plans_when_swaps_cannot_hide(tl, bw, frac):
+    """Slow copies: the budget is chased by recomputation, whose plans stay valid."""
+    budget = max(1, int(frac * tl.vanilla_curve().max()))
+    p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False)
+    check_plan(tl, p)
+    assert p.est_overhead_ms == pytest.approx(sum(tl.op_ms[r.producer_op] for r in p.recomputes))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tl=timelines(), bw=bandwidths)
+def test_budget_met_when_vanilla_fits(tl, bw):
+    peak = int(tl.vanilla_curve().max())
+    p = plan(tl, budget_bytes=peak, d2h_bw=bw, h2d_bw=bw)
+    assert p.feasible and not p.swaps and not p.recomputes
+
+
+@settings(max_examples=60, deadline=None)
+@given(tl=timelines(), bw=bandwidths)
+def test_no_budget_shaves_as_far_as_hidden_swaps_go(tl, bw):
+    """Without a budget the planner shaves until no hidden swap helps: the same peak as a
+    swap-only plan chasing an unreachable budget."""
+    free = plan(tl, d2h_bw=bw, h2d_bw=bw)
+    budgeted = plan(tl, budget_bytes=1, d2h_bw=bw, h2d_bw=bw, allow_recompute=False)
+    assert free.peak_after == budgeted.peak_after
+    assert not budgeted.feasible or budgeted.peak_after <= 1
+
+
+# --------------------------------------------------------------------------- small cases
+def _simple(opt_tail_ms: float = 0.1) -> AccessTimeline:
+    """conv → relu → fc → loss → backward x4 → adam; relu's output 11 waits for backward."""
+    ops = [
+        ("conv", "forward", 1.0, [1, 2], [10]),
+        ("relu", "forward", 1.0, [10], [11]),
+        ("fc", "forward", 4.0, [11, 3], [12]),
+        ("loss", "loss", 1.0, [12], [13, 16]),  # 16: a big scratch tensor, the peak
+        ("loss_bwd", "backward", 2.0, [13], [17]),
+        ("fc_bwd", "backward", 4.0, [17, 11, 3], [14, 20]),
+        ("relu_bwd", "backward", 1.0, [14, 11], [15]),
+        ("conv_bwd", "backward", 1.0, [15, 1, 2], [21]),
+        ("adam_state", "optimizer", 0.1, [4, 20, 21], [4]),
+        ("adam_param", "optimizer", opt_tail_ms, [2, 3, 20, 21], [2, 3]),
+    ]
+    sizes = {1: MB, 2: MB, 3: MB, 4: 8 * MB, 10: 4 * MB, 11: 4 * MB, 12: MB, 13: 4,
+             14: 4 * MB, 15: 4 * MB, 16: 16 * MB, 17: MB, 20: MB, 21: MB}
+    roles = {1: "input", 2: "param", 3: "param", 4: "opt_state"}
+    return AccessTimeline.from_ops(ops, sizes, roles, needed_by={2: 0, 3: 1})
+
+
+def test_swap_out_early_and_in_late():
+    tl = _simple()
+    p = plan(tl, d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    (s,) = [s for s in p.swaps if s.sid == 11]
+    copy_ms = 4 * MB / 1e10 * 1e3
+    assert s.out_start_ms == pytest.approx(tl.end[1])  # right after relu writes it
+    assert s.release_after_op == 2                      # after fc reads it
+    assert s.in_end_ms == pytest.approx(tl.start[5])    # just in time for fc_bwd
+    assert s.in_start_ms == pytest.approx(tl.start[5] - copy_ms)
+    assert s.in_issue_op == 3 and s.use_op == 5  # issued once the peak op is done
+    check_plan(tl, p)
+
+
+def test_cross_iteration_swap_of_optimizer_state():
+    tl = _simple(opt_tail_ms=5.0)  # room after the state update to copy 8 MiB out
+    p = plan(tl, d2h_bw=1e10, h2d_bw=1e10)
+    cross = [s for s in p.swaps if s.cross_iteration]
+    assert [s.sid for s in cross if s.sid == 4] == [4]
+    assert p.peak_after < p.peak_before
+    check_plan(tl, p)
+    tight = plan(_simple(opt_tail_ms=0.1), d2h_bw=1e10, h2d_bw=1e10)
+    assert 4 not in [s.sid for s in tight.swaps]  # 8 MiB cannot leave in 0.1 ms
+
+
+def test_recompute_when_swaps_cannot_hide():
+    ops = [
+        ("a", "forward", 1.0, [1], [10]),
+        ("b", "forward", 1.0, [10], [11]),      # 11 = b(10), 10 stays for backward
+        ("c", "forward", 1.0, [11], [12]),
+        ("l", "loss", 1.0, [12], [13, 16]),    # 16: scratch, the peak
+        ("c_bwd", "backward", 1.0, [13, 11], [14]),
+        ("b_bwd", "backward", 1.0, [14, 10], [15]),
+    ]
+    sizes = {1: MB, 10: 2 * MB, 11: 8 * MB, 12: MB, 13: 4, 14: MB, 15: MB, 16: 8 * MB}
+    tl = AccessTimeline.from_ops(ops, sizes, {1: "input"})
+    slow = dict(d2h_bw=1e3, h2d_bw=1e3)
+    assert not plan(tl, **slow).swaps  # nothing hides at 1 kB/s
+    p = plan(tl, budget_bytes=13 * MB, **slow)
+    assert [r.sid for r in p.recomputes] == [11] and p.feasible
+    assert p.recomputes[0].sources == [10] and p.est_overhead_ms == pytest.approx(1.0)
+    check_plan(tl, p)
+    assert not plan(tl, budget_bytes=13 * MB, allow_recompute=False, **slow).feasible
+    random = AccessTimeline.from_ops(ops, sizes, {1: "input"}, random_ops={1})
+    assert 11 not in [r.sid for r in plan(random, budget_bytes=13 * MB, **slow).recomputes]
+
+
+def test_actions_and_summary_are_readable():
+    p = plan(_simple(opt_tail_ms=5.0), d2h_bw=1e10, h2d_bw=1e10)
+    acts = p.actions()
+    assert any("swap_out" in a for v in acts.values() for a in v)
+    text = str(p)
+    assert "peak" in text and "swap_in" in text and "[next iteration]" in text
+
+
+def test_plan_json_rejects_other_json(tmp_path):
+    p = plan(_simple(), d2h_bw=1e10, h2d_bw=1e10)
+    p.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == p
+    with pytest.raises(ValueError, match="not a TENSILE plan"):
+        Plan.from_json('{"nodes": []}')
+
+
+def test_simulate_rejects_plan_of_other_timeline():
+    p = plan(_simple(), d2h_bw=1e10, h2d_bw=1e10)
+    small = AccessTimeline.from_ops([("a", "forward", 1.0, [], [1])], {1: 4})
+    with pytest.raises(ValueError, match="ops"):
+        simulate(small, p)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget_bytes=0), "budget_bytes"),
+    (dict(budget_bytes=1.5), "budget_bytes"),
+    (dict(d2h_bw=0), "d2h_bw"),
+    (dict(h2d_bw=float("nan")), "h2d_bw"),
+    (dict(min_bytes=0), "min_bytes"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    args = dict(d2h_bw=1e9, h2d_bw=1e9) | kwargs
+    with pytest.raises(ValueError, match=match):
+        plan(_simple(), **args)
+
+
+def test_planner_is_fast_on_a_large_timeline():
+    """~3000 ops and ~2000 tensors (ResNet-50 scale) plan in seconds, not minutes."""
+    rng = np.random.default_rng(0)
+    n_fwd, n_bwd = 1200, 1600
+    ops, sizes = [], {}
+    for k in range(n_fwd):
+        sizes[k + 1] = int(rng.integers(1 << 16, 1 << 24))
+        ops.append((f"f{k}", "forward", float(rng.uniform(0.01, 1)), [k] if k else [], [k + 1]))
+    ops.append(("loss", "loss", 0.01, [n_fwd], [n_fwd + 1]))
+    sizes[n_fwd + 1] = 4
+    for k in range(n_bwd):
+        src = n_fwd - (k * n_fwd) // n_bwd
+        ops.append((f"b{k}", "backward", float(rng.uniform(0.01, 2)), [src], []))
+    tl = AccessTimeline.from_ops(ops, sizes)
+    p = plan(tl, d2h_bw=5e10, h2d_bw=5e10)
+    assert p.peak_after < p.peak_before
+    assert p.planner_ms < 30_000
+    check_plan(tl, p)

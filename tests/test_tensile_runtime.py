@@ -1,0 +1,224 @@
+"""TENSILE runtime in simulation mode (CPU tensors): the bookkeeping of a real training job.
+
+Swap-only plans must train bit-identically to vanilla; recomputation within tolerance;
+a swap-in planned too late must be done on demand and counted as passive.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import tensile
+from tensile.runtime import PlanMismatchError
+from tensile.step import training_step
+
+STEPS = 20
+FAST = dict(peak_flops=1e10, peak_bytes_per_s=1e10, copy_latency_ms=0.0)
+RTOL, ATOL = 1e-5, 1e-6  # the stated tolerance for plans with recomputation
+
+
+def make_cnn(dropout: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+              nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten()]
+    if dropout:
+        layers.append(nn.Dropout(0.3))
+    layers.append(nn.Linear(16 * 4 * 4, 10))
+    return nn.Sequential(*layers)
+
+
+def batches(n: int = STEPS, batch: int = 8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 10, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def vanilla(n: int = STEPS, dropout: bool = False):
+    model = make_cnn(dropout)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(123)
+    losses = [training_step(model, opt, b, nn.functional.cross_entropy) for b in batches(n)]
+    return model, opt, losses
+
+
+def scheduled(n: int = STEPS, dropout: bool = False, **kwargs):
+    model = make_cnn(dropout)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = batches(n)
+    torch.manual_seed(123)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **(FAST | kwargs))
+    losses = [sched.step(*b) for b in data]
+    sched.restore_parameters()
+    return model, opt, losses, sched
+
+
+def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.state_dict().values())
+    for p in model.parameters():
+        out += [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return vanilla()
+
+
+def test_swap_only_plan_is_bit_identical_after_20_adam_steps(reference):
+    model0, opt0, losses0 = reference
+    model, opt, losses, sched = scheduled(budget=None, allow_recompute=False,
+                                          d2h_bw=1e12, h2d_bw=1e12)
+    kinds = {s.cross_iteration for s in sched.plan.swaps}
+    assert kinds == {True, False}, "the plan should move activations and parameters/state"
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        assert torch.equal(a, b)
+    assert [float(x) for x in losses] == [float(x) for x in losses0]
+    rep = sched.report()
+    assert rep.steps == STEPS and rep.swap_outs > STEPS and rep.swap_ins > STEPS
+    assert rep.passive_swap_ins == 0 and rep.recomputes == 0
+    assert rep.ineffective_releases == 0  # every released activation was really freed
+    assert rep.replans >= 1               # after the first measured step
+    # a copy-out whose next step never came (the last step, a re-plan) is not copied back
+    assert rep.bytes_d2h >= rep.bytes_h2d > 0
+
+
+def test_recompute_plan_matches_within_tolerance(reference):
+    model0, opt0, _ = reference
+    model, opt, _, sched = scheduled(budget=0.9, allow_cross_iteration=False,
+                                     d2h_bw=1e3, h2d_bw=1e3, replan=False)
+    assert sched.plan.recomputes and not sched.plan.swaps
+    assert sched.report().recomputes == STEPS * len(sched.plan.recomputes)
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    # batch norm writes its running statistics: it must never be recomputed
+    tl = sched.timeline
+    assert not any("batch_norm" in tl.names[r.producer_op] for r in sched.plan.recomputes)
+
+
+def test_late_swap_in_is_done_on_demand_and_counted(reference):
+    n = 4
+    model0, opt0, _ = vanilla(n)
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = batches(n)
+    torch.manual_seed(123)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, replan=False,
+                              allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12, **FAST)
+    last = sched.plan.num_ops - 1
+    late = copy.deepcopy(sched.plan)
+    # Every swap-in deliberately after the op that needs it back.
+    late.swaps = [dataclasses.replace(s, in_issue_op=last) for s in late.swaps]
+    sched.runner.set_plan(late)
+    for b in data:
+        sched.step(*b)
+    sched.restore_parameters()
+    rep = sched.report()
+    transient = sum(not s.cross_iteration for s in late.swaps)
+    cross = sum(s.cross_iteration for s in late.swaps)
+    assert transient and cross
+    # Transient: every step. Cross-iteration: step 1 creates the optimizer state (run
+    # unplanned), step 2 copies out for the first time, steps 3.. bring back on demand.
+    assert rep.passive_swap_ins == n * transient + (n - 2) * cross
+    assert rep.passive_share == 1.0
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        assert torch.equal(a, b)
+
+
+def test_dropout_model_is_bit_identical_and_never_recomputes_dropout():
+    model0, opt0, _ = vanilla(6, dropout=True)
+    model, opt, _, sched = scheduled(6, dropout=True, budget=0.8, d2h_bw=1e12, h2d_bw=1e12)
+    tl = sched.timeline
+    assert any(tl.random)
+    assert not any(tl.random[r.producer_op] for r in sched.plan.recomputes)
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+def test_construction_leaves_model_optimizer_and_rng_untouched():
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(7)
+    rng = torch.get_rng_state()
+    sched = tensile.Scheduler(model, opt, batches(1)[0], nn.functional.cross_entropy, **FAST,
+                              d2h_bw=1e9, h2d_bw=1e9)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(opt.state) == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert sched.recording.graph.num_nodes == sched.plan.num_ops
+
+
+def test_a_batch_of_other_shapes_is_rejected_before_running():
+    model, opt, _, sched = scheduled(2, d2h_bw=1e12, h2d_bw=1e12)
+    x, y = batches(1, batch=4)[0]
+    with pytest.raises(ValueError, match="differs from the example batch"):
+        sched.step(x, y)
+
+
+def test_data_dependent_model_raises_plan_mismatch_and_stays_usable():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make_cnn()
+
+        def forward(self, x):
+            out = self.net(x)
+            return out.relu() if x.sum() > 0 else out.tanh()
+
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.Adam(model.parameters())
+    pos, neg = batches(1)[0], batches(1)[0]
+    pos = (pos[0].abs(), pos[1])
+    neg = (-neg[0].abs(), neg[1])
+    sched = tensile.Scheduler(model, opt, pos, nn.functional.cross_entropy, d2h_bw=1e12,
+                              h2d_bw=1e12, replan=False, **FAST)
+    sched.step(*pos)
+    sched.step(*pos)
+    with pytest.raises(PlanMismatchError, match="op sequence changed"):
+        sched.step(*neg)
+    for p in model.parameters():  # swapped parameters were brought back from the host
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    sched.step(*pos)              # the recorded branch still works
+
+
+def test_model_that_returns_its_loss():
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make_cnn()
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.net(x), y)
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = batches(3)
+    sched = tensile.Scheduler(model, opt, data[0], None, d2h_bw=1e12, h2d_bw=1e12, **FAST)
+    losses = [sched.step(*b) for b in data]
+    assert all(torch.isfinite(x) for x in losses)
+    assert "TENSILE after 3 steps" in str(sched.report())
+
+
+@pytest.mark.parametrize("budget, err", [(True, TypeError), ("1GB", TypeError),
+                                         (1.5, ValueError), (0.0, ValueError), (-5, ValueError)])
+def test_bad_budgets_are_rejected(budget, err):
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(err):
+        tensile.Scheduler(model, opt, batches(1)[0], nn.functional.cross_entropy, budget=budget,
+                          d2h_bw=1e9, h2d_bw=1e9, **FAST)
+
+
+def test_cuda_runtime_refuses_a_cpu_model():
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="simulate=True"):
+        tensile.Scheduler(model, opt, batches(1)[0], nn.functional.cross_entropy,
+                          simulate=False, d2h_bw=1e9, h2d_bw=1e9, **FAST)

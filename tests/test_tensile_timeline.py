@@ -1,0 +1,96 @@
+"""TENSILE access timeline: built by hand and from a nimble TaskGraph."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nimble.graph import OpNode, TaskGraph
+from tensile.timeline import AccessTimeline
+
+
+def _node(k, name, phase, reads, writes, sizes):
+    return OpNode(k, name, reads=reads, writes=writes, phase=phase,
+                  storage_bytes={s: sizes[s] for s in reads + writes})
+
+
+def _training_graph() -> TaskGraph:
+    """x(0) and w(1) → y(2) → loss(3) → grads → Adam state(4) updated in place."""
+    sizes = {0: 64, 1: 32, 2: 128, 3: 4, 4: 32, 5: 128, 6: 32}
+    nodes = [
+        _node(0, "aten.mm.default", "forward", [0, 1], [2], sizes),
+        _node(1, "aten.sum.default", "loss", [2], [3], sizes),
+        _node(2, "aten.ones_like.default", "backward", [3], [5], sizes),
+        _node(3, "aten.mm.default", "backward", [5, 0], [6], sizes),
+        _node(4, "aten.lerp_.Scalar", "optimizer", [6], [4], sizes),   # state: in-place first touch
+        _node(5, "aten.add_.Tensor", "optimizer", [1, 4], [1], sizes),
+    ]
+    return TaskGraph(nodes=nodes, edges=[], inputs=[0], params=[1])
+
+
+def test_from_graph_roles_and_ranges():
+    tl = AccessTimeline.from_graph(_training_graph(), [1.0, 0.5, 0.5, 1.0, 0.25, 0.25])
+    roles = {s: t.role for s, t in tl.tensors.items()}
+    assert roles == {0: "input", 1: "param", 2: "activation", 3: "activation",
+                     4: "opt_state", 5: "activation", 6: "activation"}
+    assert tl.vanilla_range(1) == (0, 5) and tl.vanilla_range(2) == (0, 1)
+    assert tl.tensors[1].needed_by == 0 and not tl.tensors[1].swappable  # used by op 0
+    assert tl.tensors[4].swappable and tl.tensors[4].needed_by == 4
+    np.testing.assert_allclose(tl.start, [0, 1, 1.5, 2, 3, 3.25])
+    assert tl.iteration_ms == pytest.approx(3.5)
+    # the curve counts persistent tensors everywhere, activations from write to last access
+    assert tl.vanilla_curve()[0] == 64 + 32 + 32 + 128
+
+
+def test_backward_gap_only_between_forward_and_backward():
+    sizes = {1: 8, 2: 8, 3: 8}
+    ops = [("a", "forward", 1, [], [1]), ("b", "forward", 1, [1], [2]),
+           ("c", "loss", 1, [2], [3]), ("d", "backward", 1, [3], []),
+           ("e", "backward", 1, [1], [])]
+    tl = AccessTimeline.from_ops(ops, sizes)
+    assert tl.backward_gap(1) == (1, 4) and tl.tensors[1].swappable
+    assert tl.backward_gap(2) is None            # never read in backward
+    assert tl.backward_gap(3) is None            # read by the very next op: no gap
+    tl2 = AccessTimeline.from_ops(ops, sizes, swappable={1: False, 2: True})
+    assert not tl2.tensors[1].swappable and not tl2.tensors[2].swappable  # an override cannot
+    # make a tensor without a gap movable
+
+
+def test_with_op_times_keeps_accesses():
+    tl = AccessTimeline.from_graph(_training_graph(), [1.0] * 6)
+    tl2 = tl.with_op_times([2.0] * 6)
+    assert tl2.iteration_ms == pytest.approx(12.0) and tl2.tensors is tl.tensors
+    with pytest.raises(ValueError, match="expected 6"):
+        tl.with_op_times([1.0])
+
+
+@pytest.mark.parametrize("ops, sizes, roles, match", [
+    ([("a", "forward", 1.0, [1], [])], {1: 4}, {1: "activation"}, "before any op writes it"),
+    ([("a", "sideways", 1.0, [], [1])], {1: 4}, None, "phase"),
+    ([("a", "forward", 0.0, [], [1])], {1: 4}, None, "positive"),
+    ([("a", "forward", 1.0, [], [2])], {1: 4}, None, "no size"),
+    ([("a", "forward", 1.0, [], [1])], {1: -4}, None, "non-negative"),
+    ([("a", "forward", 1.0, [], [1])], {1: 4}, {1: "weights"}, "role"),
+    ([("a", "forward", 1.0)], {}, None, "expected"),
+])
+def test_bad_timelines_are_rejected_clearly(ops, sizes, roles, match):
+    with pytest.raises(ValueError, match=match):
+        AccessTimeline.from_ops(ops, sizes, roles)
+
+
+def test_from_graph_checks_lengths():
+    with pytest.raises(ValueError, match="6 nodes"):
+        AccessTimeline.from_graph(_training_graph(), [1.0])
+
+
+def test_from_nimble_trace_if_available():
+    trace = pytest.importorskip("nimble.trace", reason="nimble.trace is not written yet")
+    import torch
+    from torch import nn
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(4, 8)
+    graph = trace.trace_graph(model, x, training=True, loss_fn=lambda out: out.sum(), optimizer=opt)
+    tl = AccessTimeline.from_graph(graph, [0.1] * graph.num_nodes)
+    assert tl.num_ops == graph.num_nodes
+    assert {"forward", "backward", "optimizer"} <= set(tl.phases)
+    assert any(t.role == "param" for t in tl.tensors.values())
