@@ -12,7 +12,7 @@ else
 TORCH_PINS := torch==2.9.1 torchvision==0.24.1
 endif
 
-.PHONY: venv test reproduce analysis report wheelhouse clean
+.PHONY: venv test reproduce analysis report wheelhouse tvm-artifacts clean
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ report: venv
 # Pure-Python wheels for offline GPU hosts (no network there): see README.
 wheelhouse: venv
 	$(PY) -m experiments.wheelhouse --dest .whl
+
+# TVM libraries for an offline GPU host, built here on a CPU host (docs/tvm-offline.md).
+tvm-artifacts: venv
+	$(PY) -m baselines.tvm_build --models resnet50,resnet101,inception_v3,mobilenet_v2,efficientnet_b0,efficientnet_b5,nasnet_a_mobile,nasnet_a_large --batches 1 --target cuda-sm90 --out .artifacts/tvm --ffi-wheel 3.12
 
 clean:
 	rm -rf $(VENV) .pytest_cache

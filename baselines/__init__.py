@@ -15,6 +15,7 @@ dependency: TensorRT, TVM and ONNX Runtime are imported when a backend is prepar
 from .base import (BACKENDS, Availability, Backend, BackendUnavailable, PrepareResult, get_backend,
                    register_backend, try_prepare)
 from . import torch_backends, onnx_backends, tensorrt_backend, tvm_backend  # noqa: F401  (register)
+from . import nimble_backend  # noqa: F401  ("nimble", "nimble-single"; imports nimble lazily)
 
 __all__ = ["BACKENDS", "Availability", "Backend", "BackendUnavailable", "PrepareResult", "get_backend",
            "register_backend", "try_prepare"]
