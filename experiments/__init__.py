@@ -1,0 +1,1 @@
+"""Experiments: model zoo, stream analysis and the benchmark apps."""
