@@ -21,33 +21,56 @@ class NimbleBackend(Backend):
 
     name = "nimble"
     needs_cuda = True
+    supports_training = True
     multi_stream = True
     max_streams: int | None = None
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
+        """Inference capture, or (``training=True``) forward+backward capture whose
+        outputs' ``.backward()`` replays the backward graph into ``.grad``."""
         from nimble import Nimble     # imported here: nimble is not needed to list backends
 
-        self._refuse_training(training)
-        fast = Nimble(model).prepare(example_inputs, training=False,
+        fast = Nimble(model).prepare(example_inputs, training=training,
                                      use_multi_stream=self.multi_stream,
                                      max_streams=self.max_streams)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
 
-        st = fast.stats
-        fn.nimble = fast
-        fn.extra = {
-            "ops": st.num_ops, "streams": st.num_streams, "syncs": st.num_syncs,
-            "folded_conv_bn": st.folded_conv_bn,
-            "graph_mem_mb": round(st.graph_total_bytes / MB, 1),
-            "graph_pool_mb": round(st.graph_pool_bytes / MB, 1),
-            "eager_peak_mb": round(st.eager_peak_bytes / MB, 1),
-            "eager_reserved_mb": round(st.eager_reserved_bytes / MB, 1),
-            "weights_mb": round(st.weights_bytes / MB, 1),
-        }
-        return fn
+        return _with_stats(fn, fast)
+
+    def prepare_step(self, model: nn.Module, example_inputs: tuple[Tensor, Tensor],
+                     loss_fn: Callable[[Any, Tensor], Tensor],
+                     optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+        """Whole-step capture (forward, loss, backward, optimizer) on Nimble's streams."""
+        from nimble import Nimble
+
+        x, y = example_inputs
+        fast = Nimble(model)
+        step = fast.prepare_step(x, y, loss_fn, optimizer, use_multi_stream=self.multi_stream,
+                                 max_streams=self.max_streams)
+
+        def fn(inputs: Tensor, target: Tensor) -> Tensor:
+            return step((inputs,), target)
+
+        return _with_stats(fn, fast)
+
+
+def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:
+    """Attach the Nimble object and what its capture found to ``fn``."""
+    st = fast.stats
+    fn.nimble = fast
+    fn.extra = {
+        "ops": st.num_ops, "streams": st.num_streams, "syncs": st.num_syncs,
+        "folded_conv_bn": st.folded_conv_bn,
+        "graph_mem_mb": round(st.graph_total_bytes / MB, 1),
+        "graph_pool_mb": round(st.graph_pool_bytes / MB, 1),
+        "eager_peak_mb": round(st.eager_peak_bytes / MB, 1),
+        "eager_reserved_mb": round(st.eager_reserved_bytes / MB, 1),
+        "weights_mb": round(st.weights_bytes / MB, 1),
+    }
+    return fn
 
 
 class NimbleSingleBackend(NimbleBackend):

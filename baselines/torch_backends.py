@@ -130,6 +130,38 @@ class CudaGraphBackend(Backend):
             static_outputs = model(*static_inputs)
         return static_graph_fn(graph, static_inputs, static_outputs)
 
+    def prepare_step(self, model: nn.Module, example_inputs: tuple[Tensor, Tensor],
+                     loss_fn: Callable[[Any, Tensor], Tensor],
+                     optimizer: torch.optim.Optimizer) -> Callable[[Tensor, Tensor], Tensor]:
+        """PyTorch's documented whole-network capture: forward, loss, backward and
+        ``optimizer.step()`` in one graph on one stream (warm-up steps train the model).
+
+        Returns ``step(x, y) -> loss`` (a static tensor overwritten by the next call).
+        """
+        x, y = (t.detach().clone() for t in example_inputs)
+        model.train()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_ITERS):
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        optimizer.zero_grad(set_to_none=True)   # grads are allocated inside the graph
+        with torch.cuda.graph(graph):
+            static_loss = loss_fn(model(x), y)
+            static_loss.backward()
+            optimizer.step()
+
+        def step(inputs: Tensor, target: Tensor) -> Tensor:
+            x.copy_(inputs)
+            y.copy_(target)
+            graph.replay()
+            return static_loss
+        return step
+
 
 def _cpp_compiler() -> str | None:
     """The C++ compiler Inductor would use on CPU, or None."""

@@ -225,19 +225,27 @@ def write_trace(fn: Callable, inputs: tuple, path: Path, steps: int = 3) -> None
 
 # --------------------------------------------------------------------------- one measurement
 
-def _training_step(model: torch.nn.Module, forward: Callable, cfg: DictConfig) -> Callable:
-    """The paper's training iteration around ``forward``: zero_grad, loss, backward, step."""
+def _optimizer(model: torch.nn.Module, cfg: DictConfig, capturable: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer; ``capturable`` Adam keeps its step count on the GPU."""
     exp = cfg.experiment
     params = [p for p in model.parameters() if p.requires_grad]
     if exp.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
-    else:
-        opt = torch.optim.Adam(params, lr=exp.lr)
+        return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
+    return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
+
+
+def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(_logits(out), y)
+
+
+def _training_step(model: torch.nn.Module, forward: Callable, cfg: DictConfig) -> Callable:
+    """The paper's training iteration around ``forward``: zero_grad, loss, backward, step."""
+    opt = _optimizer(model, cfg)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # set_to_none=False keeps .grad at fixed addresses, which captured backward graphs need.
         opt.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(_logits(forward(x)), y)
+        loss = _loss(forward(x), y)
         loss.backward()
         opt.step()
         return loss
@@ -270,7 +278,11 @@ def measure_backend(name: str, model: torch.nn.Module, inputs: tuple, cfg: DictC
             return {**fields, "status": "unavailable",
                     "reason": f"backend {name} has no whole-step capture (prepare_step)"}
         t0 = time.perf_counter()
-        fn = prepare_step(model, inputs, _training_step(model, model, cfg))
+        try:   # backend.prepare_step(model, (x, y), loss_fn, optimizer) -> step(x, y) -> loss
+            fn = prepare_step(model, inputs, _loss, _optimizer(model, cfg, capturable=True))
+        except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
+            return {**fields, "status": "error", "reason": f"{type(e).__name__}: {e}"[:400],
+                    "prepare_s": time.perf_counter() - t0}
         fields.update(prepare_s=time.perf_counter() - t0, backend_version=backend.version())
     else:
         prep_inputs = inputs[:1] if training else inputs  # training inputs are (x, y)

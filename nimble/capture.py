@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -210,6 +210,9 @@ class Nimble:
         self._return_copies = False
         self._streams: list[torch.cuda.Stream] = []
         self._run_module: nn.Module = module
+        self._training = None                 # nimble.training.TrainingCapture when training
+        self._use_multi_stream: bool = True
+        self._max_streams: int | None = None
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
@@ -219,10 +222,14 @@ class Nimble:
 
         Args:
             dummy_input: a CUDA tensor or tuple of CUDA tensors (values are irrelevant).
-            training: ``False`` captures inference. Training capture is not available yet.
+            training: ``False`` captures inference (module in eval mode). ``True``
+                captures the forward and the backward graph: calling the object then
+                returns outputs whose ``.backward()`` replays the backward graph into the
+                parameters' ``.grad``; step an ordinary optimizer eagerly
+                (:mod:`nimble.training`; :meth:`prepare_step` captures the whole step).
             use_multi_stream: run independent ops on separate streams (Nimble's stream
                 assignment); ``False`` captures everything on one stream.
-            fold_bn: fold Conv2d+BatchNorm2d pairs first (eval mode only; on a copy).
+            fold_bn: fold Conv2d+BatchNorm2d pairs first (inference only; on a copy).
             return_copies: return fresh output tensors on every call instead of the
                 static ones the next call overwrites.
             max_streams: cap the number of streams (extra chains are merged round-robin,
@@ -232,12 +239,21 @@ class Nimble:
         inputs = self._check_prepare_args(dummy_input, training)
         self.stats = PrepareStats()
         self._return_copies = return_copies
+        self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
+        self._training = None
+        self._cuda_graph = None
+        if training:
+            from .training import TrainingCapture   # the training half builds on this file
+            self._run_module = self.module
+            self._count_weights()
+            self._training = TrainingCapture(self, inputs)
+            self.stats.prepare_s = time.perf_counter() - start
+            return self
         module = self.module
         if fold_bn:
             module, self.stats.folded_conv_bn = fold_conv_bn(module, inputs)
         self._run_module = module
-        self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in
-                                       [*module.parameters(), *module.buffers()])
+        self._count_weights()
 
         # 1. trace twice (also the eager warm-up) and measure eager's peak memory
         torch.cuda.synchronize()
@@ -250,26 +266,11 @@ class Nimble:
             + self.stats.weights_bytes
         self.stats.eager_reserved_bytes = torch.cuda.max_memory_reserved() - base_reserved \
             + self.stats.weights_bytes
-        sync_ops = [n for n in graph.nodes if n.host_sync]
-        if sync_ops:
-            n = sync_ops[0]
-            raise NimbleError(
-                f"op #{n.index} ({n.name}) makes the host wait for the GPU (.item(), .cpu(), "
-                f"printing a tensor, data-dependent shapes): it cannot be captured or "
-                f"replayed. Remove host syncs from forward().")
-        self.graph = graph
-
         # 2. plan
-        t0 = time.perf_counter()
-        self.plan = self._make_plan(graph, use_multi_stream, max_streams)
-        self.stats.plan_s = time.perf_counter() - t0
-        self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
-        self.stats.num_edges = len(graph.edges)
-        self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
+        self._adopt_graph(graph)
 
         # 3. pre-run on the real streams, 4. capture
         t0 = time.perf_counter()
-        self._streams = [torch.cuda.Stream() for _ in range(self.plan.num_streams)]
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
@@ -291,11 +292,54 @@ class Nimble:
         self.stats.prepare_s = time.perf_counter() - start
         return self
 
+    def prepare_step(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
+                     dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                     optimizer: torch.optim.Optimizer, use_multi_stream: bool = True, *,
+                     max_streams: int | None = None) -> Callable[..., torch.Tensor]:
+        """Capture one whole training iteration: forward, loss, backward, optimizer step.
+
+        Returns ``step(inputs, target) -> loss``; ``loss`` is a static tensor that the
+        next call overwrites. The optimizer must be graph-safe (SGD, or Adam/AdamW with
+        ``capturable=True``); don't call ``zero_grad``/``step`` yourself, and note that
+        a Python-float learning rate is baked into the graph. See :mod:`nimble.training`.
+        """
+        from .training import WholeStep
+
+        start = time.perf_counter()
+        inputs = self._check_prepare_args(dummy_input, training=True)
+        if not isinstance(dummy_target, torch.Tensor) or not dummy_target.is_cuda:
+            raise NimbleError("dummy_target must be a CUDA tensor (the labels of one batch)")
+        self.stats = PrepareStats()
+        self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
+        self._run_module = self.module
+        self._count_weights()
+        step = WholeStep(self, inputs, dummy_target, loss_fn, optimizer)
+        self.stats.prepare_s = time.perf_counter() - start
+        return step
+
+    def _count_weights(self) -> None:
+        self.stats.weights_bytes = sum(t.numel() * t.element_size() for t in
+                                       [*self._run_module.parameters(), *self._run_module.buffers()])
+
+    def _adopt_graph(self, graph: TaskGraph) -> None:
+        """Refuse host syncs, plan streams for ``graph`` and create the streams."""
+        sync_ops = [n for n in graph.nodes if n.host_sync]
+        if sync_ops:
+            n = sync_ops[0]
+            raise NimbleError(
+                f"op #{n.index} ({n.name}) makes the host wait for the GPU (.item(), .cpu(), "
+                f"printing a tensor, data-dependent shapes): it cannot be captured or "
+                f"replayed. Remove host syncs from forward().")
+        self.graph = graph
+        t0 = time.perf_counter()
+        self.plan = self._make_plan(graph, self._use_multi_stream, self._max_streams)
+        self.stats.plan_s = time.perf_counter() - t0
+        self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
+        self.stats.num_edges = len(graph.edges)
+        self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
+        self._streams = [torch.cuda.Stream() for _ in range(self.plan.num_streams)]
+
     def _check_prepare_args(self, dummy_input, training: bool) -> tuple[torch.Tensor, ...]:
-        if training:
-            raise NimbleError("prepare(training=True) is not available yet: Nimble currently "
-                              "captures inference only; use training=False on a module in "
-                              "eval mode.")
         if not torch.cuda.is_available():
             raise NimbleError("Nimble needs a CUDA device; torch.cuda.is_available() is False")
         inputs = as_tuple(dummy_input)
@@ -306,8 +350,8 @@ class Nimble:
                 raise NimbleError(f"example input {i} is on {x.device}; Nimble captures CUDA "
                                   f"work only: move inputs to the GPU (x.cuda())")
             if x.requires_grad:
-                raise NimbleError(f"example input {i} requires grad; inference capture takes "
-                                  "inputs without requires_grad (use x.detach())")
+                raise NimbleError(f"example input {i} requires grad; Nimble takes inputs "
+                                  "without requires_grad (use x.detach())")
         devices = {p.device for p in [*self.module.parameters(), *self.module.buffers()]}
         if any(d.type != "cuda" for d in devices):
             raise NimbleError(f"the module has parameters or buffers on {sorted(map(str, devices))}; "
@@ -315,9 +359,10 @@ class Nimble:
         if len(devices | {x.device for x in inputs}) > 1:
             raise NimbleError(f"module and inputs must be on one CUDA device; found "
                               f"{sorted(map(str, devices | {x.device for x in inputs}))}")
-        if self.module.training:
+        if self.module.training and not training:
             raise NimbleError("the module is in training mode; inference capture needs "
-                              "model.eval() (BatchNorm statistics, dropout)")
+                              "model.eval() (BatchNorm statistics, dropout), or use "
+                              "prepare(..., training=True)")
         return inputs
 
     @staticmethod
@@ -330,41 +375,67 @@ class Nimble:
             plan = cap_streams(plan, graph, max_streams)
         return plan
 
-    def _run_scheduled(self, capture: torch.cuda.CUDAGraph | None,
-                       timing_events: list[torch.cuda.Event] | None = None) -> Any:
+    def _scheduled_forward(self, grad: bool, timing_events=None) -> Any:
+        """Run the module under the plan; the current stream must be the origin stream."""
         mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events)
-        origin = self._streams[0]
-        origin.wait_stream(torch.cuda.current_stream())
-        if capture is None:
-            # Host syncs the trace cannot see (printing a tensor runs with dispatch modes
-            # disabled) would break capture: make any synchronizing CUDA call an error here,
-            # in the uncaptured pre-run, where failing leaves nothing half-captured.
-            previous = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.cuda.stream(origin), torch.no_grad():
-                    mode.fork()
-                    with mode:
-                        out = self._run_module(*self._static_inputs)
-                    mode.join()
-            except RuntimeError as e:
-                if "synchronizing CUDA operation" not in str(e):
-                    raise
-                raise NimbleError(
-                    "the module makes the host wait for the GPU during forward() (.item(), "
-                    ".cpu(), .tolist(), printing a tensor, data-dependent shapes): it cannot "
-                    f"be captured or replayed. Remove host syncs from forward(). ({e})") from e
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
-            torch.cuda.current_stream().wait_stream(origin)
-            self._check_complete(mode)
-            return out
-        with torch.cuda.graph(capture, stream=origin), torch.no_grad():
+        with torch.set_grad_enabled(grad):
             mode.fork()
             with mode:
                 out = self._run_module(*self._static_inputs)
             mode.join()
         self._check_complete(mode)
+        return out
+
+    def _run_module_scheduled_current(self) -> Any:
+        """The forward of a whole training step (called inside the step's own context)."""
+        return self._scheduled_forward(grad=True)
+
+    def _run_scheduled(self, capture: torch.cuda.CUDAGraph | None, grad: bool = False,
+                       timing_events: list[torch.cuda.Event] | None = None) -> Any:
+        origin = self._streams[0]
+        origin.wait_stream(torch.cuda.current_stream())
+        if capture is not None:
+            with torch.cuda.graph(capture, stream=origin):
+                return self._scheduled_forward(grad, timing_events)
+        # Host syncs the trace cannot see (printing a tensor runs with dispatch modes
+        # disabled) would break capture: make any synchronizing CUDA call an error here,
+        # in the uncaptured pre-run, where failing leaves nothing half-captured.
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(origin):
+                out = self._scheduled_forward(grad, timing_events)
+        except RuntimeError as e:
+            if "synchronizing CUDA operation" not in str(e):
+                raise
+            raise NimbleError(
+                "the module makes the host wait for the GPU during forward() (.item(), "
+                ".cpu(), .tolist(), printing a tensor, data-dependent shapes): it cannot "
+                f"be captured or replayed. Remove host syncs from forward(). ({e})") from e
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream().wait_stream(origin)
+        return out
+
+    def _run_step_uncaptured(self, body: Callable[[], Any]) -> Any:
+        origin = self._streams[0]
+        origin.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(origin):
+            out = body()
+            for s in self._streams[1:]:
+                origin.wait_stream(s)
+        torch.cuda.current_stream().wait_stream(origin)
+        return out
+
+    def _run_step_captured(self, graph: torch.cuda.CUDAGraph, body: Callable[[], Any]) -> Any:
+        origin = self._streams[0]
+        origin.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=origin):
+            for s in self._streams[1:]:
+                s.wait_stream(origin)
+            out = body()
+            for s in self._streams[1:]:     # backward ran on side streams: join them all
+                origin.wait_stream(s)
         return out
 
     def _check_complete(self, mode: ScheduledMode) -> None:
@@ -376,11 +447,13 @@ class Nimble:
 
     # -- replay -------------------------------------------------------------------------
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        if self._cuda_graph is None:
+        if self._cuda_graph is None and getattr(self, "_training", None) is None:
             raise NimbleError("call prepare(example_input) before calling the Nimble object")
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
         self._check_call(inputs)
+        if self._training is not None:
+            return self._training(inputs)
         for static, x in zip(self._static_inputs, inputs):
             if static.data_ptr() != x.data_ptr():
                 static.copy_(x, non_blocking=True)

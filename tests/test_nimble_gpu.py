@@ -119,8 +119,9 @@ def test_bad_prepare_arguments():
         Nimble(nn.Linear(8, 4).cuda().eval()).prepare(torch.randn(2, 8))
     with pytest.raises(NimbleError, match="model.eval"):
         Nimble(nn.Linear(8, 4).cuda()).prepare(torch.randn(2, 8, device="cuda"))
-    with pytest.raises(NimbleError, match="not available yet"):
-        Nimble(nn.Linear(8, 4).cuda()).prepare(torch.randn(2, 8, device="cuda"), training=True)
+    with pytest.raises(NimbleError, match="requires grad"):
+        Nimble(nn.Linear(8, 4).cuda().eval()).prepare(
+            torch.randn(2, 8, device="cuda", requires_grad=True))
 
 
 class HostSync(nn.Module):

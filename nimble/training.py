@@ -1,0 +1,310 @@
+"""Nimble for training: captured forward and backward graphs, or one whole-step graph.
+
+Two modes, both built on the inference capture of :mod:`nimble.capture`:
+
+**fwd-bwd** (the paper's way; ``Nimble.prepare(x, training=True)``). The forward is
+captured multi-stream under :class:`~nimble.capture.ScheduledMode`; the backward is captured
+by running autograd on the captured outputs, into a second graph that shares the forward
+graph's memory pool (the backward frees the forward's saved activations). Autograd runs
+every backward op on the stream of its forward op, so the backward inherits the forward's
+streams. Calling the Nimble object goes through :class:`_ReplayFunction`: its forward
+replays the forward graph, its backward copies the incoming gradients in and replays the
+backward graph, which accumulates into every parameter's ``.grad``. Loss and optimizer
+stay eager, as in the paper.
+
+**whole step** (``Nimble.prepare_step(...)``): forward, loss, backward and
+``optimizer.step()`` captured into one graph; a call is one training iteration.
+
+Hazards, and how each is handled:
+
+* Gradients must stay at fixed addresses. ``optimizer.zero_grad()`` defaults to
+  ``set_to_none=True`` in PyTorch 2.x, which drops ``.grad``. In fwd-bwd mode the backward
+  replay re-attaches the static gradient buffers first: a ``None`` gradient becomes the
+  zeroed static buffer, a replaced gradient is copied into it, so the ordinary loop works.
+  In whole-step mode gradients live inside the graph; don't zero or step yourself.
+* BatchNorm running statistics are in-place updates inside the forward graph: every
+  replay updates them, as eager does.
+* Random ops (dropout): the default CUDA generator is registered with every capture, so
+  each replay draws fresh numbers, and the backward uses the masks its forward drew.
+* ``prepare`` leaves parameters, buffers, gradients (and in whole-step mode the optimizer
+  state) as they were: the eager trace runs and the pre-run change them, and are undone
+  in place (addresses the graphs use must not change). A fresh optimizer's state is left
+  as zeros, which is what a first SGD-with-momentum (dampening 0) or Adam step starts from.
+* Memory across streams in backward: autograd picks the streams there, so the vector
+  clocks of :class:`ScheduledMode` cannot see the syncs. With several streams, every
+  tensor the backward touches is kept alive until capture ends (no reuse inside the
+  backward graph, as in the original Nimble); with one stream memory is reused as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .graph import TaskGraph
+from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
+
+__all__ = ["TrainingCapture", "WholeStep", "trace_training_forward"]
+
+
+def trace_training_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> TaskGraph:
+    """Task graph of one forward in training mode with autograd recording (twice, compared)."""
+    graphs = []
+    for _ in range(2):
+        params = [*module.parameters(), *module.buffers()]
+        rec = OpRecorder()
+        rec.storage_ids(list(inputs) + params)
+        with torch.enable_grad(), rec:
+            out = module(*inputs)
+        graphs.append(rec.to_graph(inputs, params, _tensors(out), str(inputs[0].device)))
+        del out
+    check_same_ops(graphs[0], graphs[1])
+    return graphs[0]
+
+
+class _KeepAlive(TorchDispatchMode):
+    """Holds every tensor an op touches until the mode is dropped (no reuse meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.kept.extend(_tensors((args, kwargs, out)))
+        return out
+
+
+def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]) -> None:
+    """Run autograd's backward from the origin stream (the current one) and join it back.
+
+    With several streams, tensors the backward touches stay alive until every side stream
+    has been joined into the origin stream: only then may their blocks be reused.
+    """
+    origin = streams[0]
+    keep = _KeepAlive() if len(streams) > 1 else contextlib.nullcontext()
+    with keep:
+        torch.autograd.backward(outputs, grad_outputs)
+        for s in streams[1:]:
+            origin.wait_stream(s)
+
+
+def _restore_in_place(module: nn.Module, saved: dict, grads: list[torch.Tensor],
+                      params: list[nn.Parameter]) -> None:
+    """Put parameters, buffers and gradient values back without moving any tensor."""
+    with torch.no_grad():
+        for k, v in module.state_dict().items():
+            v.copy_(saved["model"][k])
+        names = {id(p): n for n, p in module.named_parameters()}
+        for p, g in zip(params, grads):
+            old = saved["grads"][names[id(p)]]
+            g.copy_(old) if old is not None else g.zero_()
+
+
+def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: dict) -> None:
+    """Optimizer state back in place: old values, or zeros where the state was new."""
+    with torch.no_grad():
+        for p, state in optimizer.state.items():
+            before = saved_state.get(p, {})
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    v.copy_(before[k]) if k in before else v.zero_()
+
+
+class TrainingCapture:
+    """The fwd-bwd capture of a module in training mode (see the module docstring)."""
+
+    def __init__(self, nimble, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.nimble = nimble
+        module = nimble.module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("training capture: the module has no parameter that requires grad")
+        saved = _snapshot(module, None)
+        # Static gradient buffers: the backward graph accumulates into these addresses.
+        self.grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        try:
+            self._capture(inputs)
+        finally:
+            _restore_in_place(module, saved, self.grads, self.params)
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        nb = self.nimble
+        start = time.perf_counter()
+        graph = trace_training_forward(nb.module, inputs)
+        nb._adopt_graph(graph)
+        nb._static_inputs = tuple(x.detach().clone() for x in inputs)
+        # Pre-run: forward on the real streams, then a backward with zero gradients, to
+        # create handles, pick cuDNN's backward algorithms and warm the allocator.
+        out = nb._run_scheduled(capture=None, grad=True)
+        flat = [t for t in tree_flatten(out)[0]]
+        self.static_grad_outputs = [torch.zeros_like(t) for t in flat]
+        torch.autograd.backward(flat, self.static_grad_outputs)
+        del out, flat
+        torch.cuda.synchronize()
+
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        self.forward_graph = torch.cuda.CUDAGraph()
+        out = nb._run_scheduled(capture=self.forward_graph, grad=True)
+        flat, nb._out_spec = tree_flatten(out)
+        if not all(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            raise ValueError("training capture: every output must be a tensor that requires grad")
+        self.static_outputs = flat
+        self.backward_graph = torch.cuda.CUDAGraph()
+        origin = nb._streams[0]
+        origin.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=origin):
+            for s in nb._streams[1:]:
+                s.wait_stream(origin)
+            _backward_on_streams(flat, self.static_grad_outputs, nb._streams)
+        torch.cuda.synchronize()
+        nb.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        nb.stats.capture_s = time.perf_counter() - start
+        # The captured outputs keep their autograd history (saved activations live in the
+        # pool and are rewritten by every replay); callers get detached aliases of them.
+
+    def attach_grads(self) -> None:
+        """Make every parameter's ``.grad`` the static buffer the backward graph adds into."""
+        with torch.no_grad():
+            for p, g in zip(self.params, self.grads):
+                current = p.grad
+                if current is None:               # zero_grad(set_to_none=True)
+                    g.zero_()
+                elif current.data_ptr() != g.data_ptr():
+                    g.copy_(current)              # the user replaced .grad
+                else:
+                    continue
+                p.grad = g
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> Any:
+        for x in inputs:
+            if x.requires_grad:
+                raise ValueError("Nimble training capture does not compute input gradients; "
+                                 "pass inputs without requires_grad")
+        outs = _ReplayFunction.apply(self, _REQUIRES_GRAD_TOKEN(), *inputs)
+        return tree_unflatten(list(outs), self.nimble._out_spec)
+
+    def replay_forward(self, inputs: Sequence[torch.Tensor]) -> None:
+        for static, x in zip(self.nimble._static_inputs, inputs):
+            static.copy_(x)
+        self.forward_graph.replay()
+
+    def replay_backward(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        for static, g in zip(self.static_grad_outputs, grad_outputs):
+            if g is None:
+                static.zero_()
+            else:
+                static.copy_(g)
+        self.attach_grads()
+        self.backward_graph.replay()
+
+
+def _REQUIRES_GRAD_TOKEN() -> torch.Tensor:
+    """A tiny input that requires grad, so the replayed outputs join the autograd graph."""
+    return torch.empty(0, requires_grad=True)
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """forward: replay the forward graph; backward: copy gradients in, replay backward."""
+
+    @staticmethod
+    def forward(ctx, capture: TrainingCapture, token: torch.Tensor, *inputs: torch.Tensor):
+        ctx.capture = capture
+        ctx.num_inputs = len(inputs)
+        capture.replay_forward(inputs)
+        return tuple(t.detach() for t in capture.static_outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        ctx.capture.replay_backward(grad_outputs)
+        return (None, None) + (None,) * ctx.num_inputs
+
+
+class WholeStep:
+    """Forward, loss, backward and ``optimizer.step()`` captured into one graph.
+
+    Calling it with ``(inputs, target)`` runs one training iteration and returns the
+    static loss tensor (overwritten by the next call; ``.item()`` it or clone it).
+    """
+
+    def __init__(self, nimble, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
+                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                 optimizer: torch.optim.Optimizer, warmup: int = 2) -> None:
+        _check_capturable(optimizer)
+        self.nimble, self.loss_fn, self.optimizer = nimble, loss_fn, optimizer
+        module = nimble.module
+        saved = _snapshot(module, None)
+        saved_opt = {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+                     for p, st in optimizer.state.items()}
+        self.static_target = target.detach().clone()
+        try:
+            self._capture(inputs, warmup)
+        finally:
+            params = [p for p in module.parameters() if p.requires_grad]
+            grads = [p.grad for p in params]
+            with torch.no_grad():
+                for k, v in module.state_dict().items():
+                    v.copy_(saved["model"][k])
+                for g in grads:
+                    if g is not None:
+                        g.zero_()
+            _zero_or_restore_optimizer(optimizer, saved_opt)
+
+    def _step_body(self) -> torch.Tensor:
+        nb = self.nimble
+        out = nb._run_module_scheduled_current()
+        loss = self.loss_fn(out, self.static_target)
+        _backward_on_streams([loss], None, nb._streams)
+        self.optimizer.step()
+        return loss
+
+    def _capture(self, inputs: tuple[torch.Tensor, ...], warmup: int) -> None:
+        nb = self.nimble
+        start = time.perf_counter()
+        nb._adopt_graph(trace_training_forward(nb.module, inputs))
+        nb._static_inputs = tuple(x.detach().clone() for x in inputs)
+        for _ in range(warmup):                       # creates optimizer state, warms kernels
+            self.optimizer.zero_grad(set_to_none=True)
+            nb._run_step_uncaptured(self._step_body)
+        torch.cuda.synchronize()
+        # Gradients are created inside the graph (AccumulateGrad takes the new buffer).
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved()
+        self.graph = torch.cuda.CUDAGraph()
+        self.static_loss = nb._run_step_captured(self.graph, self._step_body)
+        torch.cuda.synchronize()
+        nb.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        nb.stats.capture_s = time.perf_counter() - start
+
+    def __call__(self, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        nb = self.nimble
+        nb._check_call(tuple(inputs))
+        if target.shape != self.static_target.shape or target.dtype != self.static_target.dtype \
+                or target.device != self.static_target.device:
+            raise ValueError(
+                f"target: prepared for shape {tuple(self.static_target.shape)}, "
+                f"{self.static_target.dtype} on {self.static_target.device}; called with shape "
+                f"{tuple(target.shape)}, {target.dtype} on {target.device}")
+        for static, x in zip(nb._static_inputs, inputs):
+            static.copy_(x)
+        self.static_target.copy_(target)
+        self.graph.replay()
+        return self.static_loss
+
+
+def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Adam-family optimizers step on the host unless ``capturable=True``: refuse them."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if "capturable" in optimizer.defaults and not all(g.get("capturable") for g in optimizer.param_groups):
+        raise ValueError(f"{type(optimizer).__name__}.step() reads its step count on the host; "
+                         f"create it with capturable=True to capture it in a CUDA graph")
