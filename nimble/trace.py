@@ -26,7 +26,8 @@ from torch.utils.flop_counter import flop_registry
 
 from .graph import OpNode, TaskGraph
 
-__all__ = ["trace_graph", "TraceMismatchError", "OpRecorder", "check_same_ops", "as_tuple"]
+__all__ = ["trace_graph", "TraceMismatchError", "OpRecorder", "StorageDependencies",
+           "check_same_ops", "as_tuple", "mutated_args", "estimate_flops"]
 
 # Ops whose result the host has to wait for: they cannot be captured or replayed.
 HOST_SYNC_OPS = {
@@ -83,7 +84,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _mutated_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def mutated_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """Tensors the op writes in place, from its schema's alias annotations."""
     out = []
     for i, arg in enumerate(func._schema.arguments):
@@ -94,7 +95,7 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-def _flops(func, args: tuple, kwargs: dict, out: Any, name: str) -> int:
+def estimate_flops(func, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs from PyTorch's flop counter where it knows the op, else one per output element."""
     counter = flop_registry.get(func.overloadpacket)
     if counter is not None:
@@ -102,10 +103,42 @@ def _flops(func, args: tuple, kwargs: dict, out: Any, name: str) -> int:
             return int(counter(*args, **kwargs, out_val=out))
         except Exception:  # noqa: BLE001 - a counter that cannot handle these args
             pass
-    if name in COPY_OPS:
+    if str(func) in COPY_OPS:
         return 0
     outs = _tensors(out)
     return max((t.numel() for t in outs), default=0)
+
+
+class StorageDependencies:
+    """Dependency edges between ops, from the storages each reads and writes, in order.
+
+    ``add(v, reads, writes)`` for op ``v`` adds read-after-write (last writer -> v),
+    write-after-write (last writer -> v) and write-after-read (every reader since the
+    last write -> v) edges to :attr:`edges`.
+    """
+
+    def __init__(self) -> None:
+        self.edges: set[tuple[int, int]] = set()
+        self._last_writer: dict[int, int] = {}
+        self._readers: dict[int, list[int]] = {}
+
+    def add(self, v: int, reads: Sequence[int], writes: Sequence[int]) -> None:
+        for s in reads:                                   # read-after-write
+            u = self._last_writer.get(s)
+            if u is not None:
+                self.edges.add((u, v))
+        for s in writes:
+            u = self._last_writer.get(s)                  # write-after-write
+            if u is not None and u != v:
+                self.edges.add((u, v))
+            for r in self._readers.get(s, ()):            # write-after-read
+                if r != v:
+                    self.edges.add((r, v))
+        for s in reads:
+            self._readers.setdefault(s, []).append(v)
+        for s in writes:
+            self._last_writer[s] = v
+            self._readers[s] = []
 
 
 class OpRecorder(TorchDispatchMode):
@@ -118,15 +151,13 @@ class OpRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.nodes: list[OpNode] = []
-        self.edges: set[tuple[int, int]] = set()
         self.raw_ops: list[int] = []          # per op seen: node index, or -1 for metadata-only
         self.num_ops = 0                      # non-view ops seen so far (next node index)
         self.num_view_ops = 0
         self.phase = "forward"
         self._ids: dict[int, tuple[StorageWeakRef, int]] = {}
         self._sizes: dict[int, int] = {}
-        self._last_writer: dict[int, int] = {}
-        self._readers: dict[int, list[int]] = {}
+        self.deps = StorageDependencies()
 
     # -- storage identity -------------------------------------------------------------
     def storage_id(self, t: torch.Tensor) -> int:
@@ -175,7 +206,7 @@ class OpRecorder(TorchDispatchMode):
     def record(self, index: int, func, args, kwargs, ins, read_ids, out) -> None:
         name = str(func)
         outs = _tensors(out)
-        mutated = _mutated_args(func, args, kwargs)
+        mutated = mutated_args(func, args, kwargs)
         write_ids = self.storage_ids(outs + mutated)
         node = OpNode(
             index=index, name=name,
@@ -185,37 +216,19 @@ class OpRecorder(TorchDispatchMode):
             output_dtypes=[str(t.dtype).removeprefix("torch.") for t in outs],
             bytes_read=sum(_nbytes(t) for t in ins),
             bytes_written=sum(_nbytes(t) for t in outs + mutated),
-            flops=_flops(func, args, kwargs, out, name),
+            flops=estimate_flops(func, args, kwargs, out),
             reads=read_ids, writes=write_ids,
             storage_bytes={s: self._sizes[s] for s in set(read_ids) | set(write_ids)},
             phase=self.phase,
             host_sync=name in HOST_SYNC_OPS or _crosses_to_host(ins, outs),
         )
         self.nodes.append(node)
-        self._add_edges(index, read_ids, write_ids)
-
-    def _add_edges(self, v: int, reads: list[int], writes: list[int]) -> None:
-        for s in reads:                                   # read-after-write
-            u = self._last_writer.get(s)
-            if u is not None:
-                self.edges.add((u, v))
-        for s in writes:
-            u = self._last_writer.get(s)                  # write-after-write
-            if u is not None and u != v:
-                self.edges.add((u, v))
-            for r in self._readers.get(s, ()):            # write-after-read
-                if r != v:
-                    self.edges.add((r, v))
-        for s in reads:
-            self._readers.setdefault(s, []).append(v)
-        for s in writes:
-            self._last_writer[s] = v
-            self._readers[s] = []
+        self.deps.add(index, read_ids, write_ids)
 
     def to_graph(self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                  outputs: Sequence[torch.Tensor], device: str) -> TaskGraph:
         return TaskGraph(
-            nodes=self.nodes, edges=sorted(self.edges),
+            nodes=self.nodes, edges=sorted(self.deps.edges),
             inputs=self.storage_ids(list(inputs)), params=self.storage_ids(list(params)),
             outputs=self.storage_ids(list(outputs)), num_view_ops=self.num_view_ops,
             device=device, raw_ops=list(self.raw_ops))

@@ -25,9 +25,9 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
 
 from nimble.graph import OpNode, TaskGraph
+from nimble.trace import StorageDependencies, estimate_flops, mutated_args
 
 from .step import split_batch, training_step
 from .timeline import AccessTimeline
@@ -126,9 +126,7 @@ class _Recorder(TorchDispatchMode):
         self.out_sids: list[list[int]] = []
         self.first_read: set[int] = set()  # storages whose first access is a read
         self.random_ops: set[int] = set()  # ops that draw random numbers
-        self.edges: set[tuple[int, int]] = set()
-        self._last_writer: dict[int, int] = {}
-        self._readers: dict[int, list[int]] = {}
+        self.deps = StorageDependencies()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -149,13 +147,13 @@ class _Recorder(TorchDispatchMode):
         reads = list(dict.fromkeys(arg_ids))
         writes = list(dict.fromkeys(out_ids + mutated))
         sbytes = {sid: t.untyped_storage().nbytes() for sid, t in zip(arg_ids + out_ids, ins + outs)}
-        self._add_edges(k, reads, writes)
+        self.deps.add(k, reads, writes)
         self.nodes.append(OpNode(
             index=k, name=op_name(func),
             input_shapes=[tuple(t.shape) for t in ins], input_dtypes=[str(t.dtype) for t in ins],
             output_shapes=[tuple(t.shape) for t in outs], output_dtypes=[str(t.dtype) for t in outs],
             bytes_read=sum(t.nbytes for t in ins), bytes_written=sum(t.nbytes for t in outs),
-            flops=_flops(func, args, kwargs, out), reads=reads, writes=writes,
+            flops=estimate_flops(func, args, kwargs, out), reads=reads, writes=writes,
             storage_bytes=sbytes, phase=self.phase))
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random_ops.add(k)
@@ -163,43 +161,10 @@ class _Recorder(TorchDispatchMode):
         self.out_sids.append(out_ids)
         return out
 
-    def _add_edges(self, k: int, reads: list[int], writes: list[int]) -> None:
-        """Read-after-write, write-after-read and write-after-write edges per storage."""
-        for sid in reads:
-            if sid in self._last_writer:
-                self.edges.add((self._last_writer[sid], k))
-        for sid in writes:
-            if sid in self._last_writer and self._last_writer[sid] != k:
-                self.edges.add((self._last_writer[sid], k))
-            for r in self._readers.get(sid, []):
-                if r != k:
-                    self.edges.add((r, k))
-        for sid in reads:
-            self._readers.setdefault(sid, []).append(k)
-        for sid in writes:
-            self._last_writer[sid] = k
-            self._readers[sid] = []
-
 
 def _mutated_args(func, args, kwargs, device_type: str) -> list[torch.Tensor]:
-    """Arguments the op writes in place (schema alias info ``(a!)``)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        val = args[i] if i < len(args) else kwargs.get(a.name)
-        out.extend(device_tensors(val, device_type))
-    return out
-
-
-def _flops(func, args, kwargs, out) -> int:
-    f = flop_registry.get(func.overloadpacket)
-    if f is None:
-        return 0
-    try:
-        return int(f(*args, **kwargs, out_val=out))
-    except Exception:  # a formula that does not cover this overload: count no FLOPs
-        return 0
+    """Arguments the op writes in place (schema alias info ``(a!)``), on ``device_type``."""
+    return [t for t in mutated_args(func, args, kwargs) if t.device.type == device_type]
 
 
 def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
@@ -241,7 +206,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         for h in handles:
             h.remove()
 
-    graph = TaskGraph(nodes=rec.nodes, edges=sorted(rec.edges), device=device_type)
+    graph = TaskGraph(nodes=rec.nodes, edges=sorted(rec.deps.edges), device=device_type)
     roles, param_names, opt_keys = _roles(rec, model, optimizer, batch, loss_fn)
     graph.params = sorted(s for s, r in roles.items() if r in ("param", "buffer"))
     graph.inputs = sorted(s for s, r in roles.items() if r == "input")

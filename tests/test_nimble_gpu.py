@@ -6,21 +6,13 @@ from torch import nn
 from experiments.models import ANALYSIS_SET, build_model, example_input
 from nimble import Nimble, NimbleError, TraceMismatchError
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # TF32 off for the comparison; the remaining difference comes from conv+BN folding,
 # cuDNN picking other algorithms under capture, and summation order: stated tolerance
 # is a relative L2 error of 1e-4 (fp32 arithmetic itself lands near 1e-6).
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def strict_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def rel_err(a, b):

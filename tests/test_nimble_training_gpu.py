@@ -9,7 +9,7 @@ from torch import nn
 from experiments.models import build_model
 from nimble import Nimble, NimbleError
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # TF32 off. cuDNN's backward kernels are not bitwise deterministic (atomics), so two eager
@@ -17,14 +17,6 @@ pytestmark = [pytest.mark.gpu,
 # error of 1e-3 per parameter tensor after 20 steps.
 TOL = 1e-3
 CIFAR = ["mobilenet_v2", "efficientnet_b0", "resnet50"]
-
-
-@pytest.fixture(autouse=True)
-def strict_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def rel_err(a, b):
