@@ -1,0 +1,221 @@
+"""TENSILE joint planner: several jobs on one timeline with shared copy channels."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tensile.multi import JobSpec, layout_jobs, plan_jobs, simulate_joint
+from tensile.planner import plan
+from tensile.simulate import simulate
+from tensile.timeline import AccessTimeline
+
+MB = 1 << 20
+EPS = 1e-6
+BW = 20e9  # bytes/s: an 8 MiB copy takes ~0.43 ms
+
+
+def job_timeline(scale: float = 1.0, act: int = 8 * MB) -> AccessTimeline:
+    """A small training step: three saved activations, a parameter and its Adam state."""
+    sizes = {1: 4 * MB, 2: act, 3: act, 4: act, 5: 1 * MB, 6: 2 * MB, 7: 2 * MB}
+    roles = {1: "input", 6: "param", 7: "opt_state"}
+    ops = [("a", "forward", 1.0, [1, 6], [2]), ("b", "forward", 1.0, [2], [3]),
+           ("c", "forward", 1.0, [3], [4]), ("l", "loss", 1.0, [4], [5]),
+           ("d", "backward", 1.0, [5, 4], []), ("e", "backward", 1.0, [3], []),
+           ("f", "backward", 1.0, [2, 6], []), ("o", "optimizer", 0.5, [6, 7], [6, 7])]
+    ops = [(n, ph, ms * scale, r, w) for n, ph, ms, r, w in ops]
+    return AccessTimeline.from_ops(ops, sizes, roles)
+
+
+def check_joint(jobs, jp) -> None:
+    """Every invariant of a joint plan."""
+    lay = jp.layout
+    replay = simulate_joint(lay, jp.plans)
+    assert int(replay.max()) == jp.peak_after
+    assert int(simulate_joint(lay, {j: None for j in jp.plans}).max()) == jp.peak_before
+    assert jp.peak_after <= jp.peak_before
+    assert jp.peak_before <= jp.sum_of_peaks_before
+    assert jp.peak_after <= jp.sum_of_peaks_after
+    if jp.budget_bytes is not None:
+        assert jp.feasible == (jp.peak_after <= jp.budget_bytes)
+    for j in jobs:
+        p = jp.plans[j.job_id]
+        tl = lay.timelines[j.job_id]
+        assert simulate(tl, p).peak == p.peak_after
+        assert p.feasible == jp.feasible and p.budget_bytes == jp.budget_bytes
+        moved = [s.sid for s in p.swaps] + [r.sid for r in p.recomputes]
+        assert len(moved) == len(set(moved))
+        for s in p.swaps:
+            assert tl.tensors[s.sid].swappable
+            assert -EPS <= s.out_start_ms < s.out_end_ms <= tl.iteration_ms + EPS
+            assert -EPS <= s.in_start_ms < s.in_end_ms <= tl.iteration_ms + EPS
+    for direction, copies in jp.channel_copies().items():
+        for (a0, a1, *_), (b0, b1, *who) in zip(copies, copies[1:]):
+            assert b0 >= a1 - EPS, f"{direction}: copies overlap at {b0} (job {who})"
+        for a, b, *_ in copies:
+            assert 0 <= a < b <= lay.cycle_ms + EPS
+
+
+# --------------------------------------------------------------------------- basics
+@pytest.mark.parametrize("budget", [None, 20 * MB])
+def test_one_job_is_the_single_job_planner(budget):
+    tl = job_timeline()
+    alone = plan(tl, budget_bytes=budget, d2h_bw=BW, h2d_bw=BW)
+    jp = plan_jobs([JobSpec("a", tl)], budget_bytes=budget, d2h_bw=BW, h2d_bw=BW)
+    p = jp.plans["a"]
+    assert p.swaps == alone.swaps and p.recomputes == alone.recomputes
+    assert (p.peak_before, p.peak_after, p.feasible) == (alone.peak_before, alone.peak_after,
+                                                         alone.feasible)
+    assert jp.peak_after == alone.peak_after
+
+
+def test_aligned_jobs_share_channels_and_shave_jointly():
+    jobs = [JobSpec("a", job_timeline()), JobSpec("b", job_timeline())]
+    jp = plan_jobs(jobs, d2h_bw=BW, h2d_bw=BW)
+    check_joint(jobs, jp)
+    # Aligned identical jobs peak together: the joint peak is the sum at first ...
+    assert jp.peak_before == jp.sum_of_peaks_before == 2 * 33 * MB
+    # ... and both are shaved, with copies queued one after another on each channel.
+    assert jp.peak_after < jp.peak_before
+    assert all(jp.plans[j].swaps for j in "ab")
+
+
+def test_offset_jobs_peak_below_the_sum_of_peaks():
+    """A measured phase (iteration starts on a shared clock) puts the peaks apart."""
+    jobs = [JobSpec("a", job_timeline(), iter_start_s=100.0),
+            JobSpec("b", job_timeline(), iter_start_s=100.0035)]  # 3.5 ms later
+    jp = plan_jobs(jobs, d2h_bw=BW, h2d_bw=BW)
+    check_joint(jobs, jp)
+    assert jp.layout.phases["b"] == pytest.approx(3.5)
+    assert jp.peak_before < jp.sum_of_peaks_before  # TENSILE would have planned for the sum
+    assert jp.peak_after <= jp.peak_before
+
+
+def test_shared_channel_is_the_bottleneck():
+    """Slow copies: independently planned jobs would collide on the bus, joint ones do not."""
+    bw = 5e9  # an 8 MiB copy takes ~1.7 ms: one copy fills the gap it must fit in
+    jobs = [JobSpec("a", job_timeline()), JobSpec("b", job_timeline())]
+    jp = plan_jobs(jobs, d2h_bw=bw, h2d_bw=bw)
+    check_joint(jobs, jp)
+    alone = [plan(j.timeline, d2h_bw=bw, h2d_bw=bw) for j in jobs]
+    assert all(p.swaps for p in alone)
+    outs = sorted((s.out_start_ms, s.out_end_ms) for p in alone for s in p.swaps)
+    assert any(b0 < a1 - EPS for (a0, a1), (b0, b1) in zip(outs, outs[1:])), \
+        "independent plans should overlap on the channel (TENSILE's flaw)"
+    n_joint = sum(len(p.swaps) for p in jp.plans.values())
+    assert n_joint < sum(len(p.swaps) for p in alone)  # the bus fits fewer copies
+
+
+def test_faster_job_repeats_in_the_cycle():
+    jobs = [JobSpec("slow", job_timeline(), iter_ms=15.0),
+            JobSpec("fast", job_timeline(), iter_ms=7.0)]
+    lay = layout_jobs(jobs)
+    assert lay.cycle_ms == 15.0 and lay.repeats == {"slow": 1, "fast": 2}
+    assert lay.periods["fast"] == pytest.approx(7.5)
+    assert lay.timelines["fast"].iteration_ms == pytest.approx(7.5)  # proportional stretch
+    assert lay.timelines["slow"].iteration_ms == pytest.approx(15.0)
+    jp = plan_jobs(jobs, d2h_bw=BW, h2d_bw=BW)
+    check_joint(jobs, jp)
+    copies = jp.channel_copies()["d2h"]
+    fast = [c for c in copies if c[2] == "fast"]
+    assert len(fast) == 2 * len(jp.plans["fast"].swaps)  # once per repeat
+
+
+def test_measured_op_starts_set_the_wall_clock_spans():
+    tl = job_timeline()
+    starts = [0.0, 2.0, 3.0, 5.0, 6.0, 6.5, 8.0, 9.0]  # waits between some ops
+    lay = layout_jobs([JobSpec("a", tl, iter_ms=10.0, op_start_ms=starts)])
+    np.testing.assert_allclose(lay.timelines["a"].start, starts)
+    assert lay.timelines["a"].iteration_ms == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="op_start_ms has 3 entries"):
+        layout_jobs([JobSpec("a", tl, iter_ms=10.0, op_start_ms=[0, 1, 2])])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        layout_jobs([JobSpec("a", tl, iter_ms=10.0, op_start_ms=starts[::-1])])
+
+
+# --------------------------------------------------------------------------- weights
+@pytest.mark.parametrize("heavy", ["a", "b"])
+def test_higher_weight_keeps_more_resident(heavy):
+    light = "b" if heavy == "a" else "a"
+    jobs = [JobSpec(j, job_timeline(), weight=3.0 if j == heavy else 1.0) for j in "ab"]
+    budget = 2 * 33 * MB - 8 * MB  # reachable by shaving one job alone
+    jp = plan_jobs(jobs, budget_bytes=budget, d2h_bw=BW, h2d_bw=BW)
+    check_joint(jobs, jp)
+    assert jp.feasible
+    moved = {j: sum(s.nbytes for s in jp.plans[j].swaps) +
+             sum(r.nbytes for r in jp.plans[j].recomputes) for j in "ab"}
+    assert moved[heavy] == 0 < moved[light]
+
+
+def test_recompute_goes_to_the_lower_weight_first():
+    # Fast copies cannot hide anything when the bandwidth is tiny: only recomputation helps.
+    jobs = [JobSpec("a", job_timeline(), weight=1.0), JobSpec("b", job_timeline(), weight=2.0)]
+    jp = plan_jobs(jobs, budget_bytes=2 * 33 * MB - 8 * MB, d2h_bw=1e6, h2d_bw=1e6)
+    check_joint(jobs, jp)
+    assert jp.plans["a"].recomputes and not jp.plans["b"].recomputes
+    assert not jp.plans["a"].swaps and not jp.plans["b"].swaps
+
+
+# --------------------------------------------------------------------------- errors
+def test_bad_jobs_are_refused():
+    tl = job_timeline()
+    with pytest.raises(ValueError, match="unique"):
+        plan_jobs([JobSpec("a", tl), JobSpec("a", tl)], d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="no jobs"):
+        plan_jobs([], d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="weight"):
+        plan_jobs([JobSpec("a", tl, weight=0)], d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="iter_ms"):
+        plan_jobs([JobSpec("a", tl, iter_ms=-1.0)], d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="budget"):
+        plan_jobs([JobSpec("a", tl)], budget_bytes=0, d2h_bw=BW, h2d_bw=BW)
+
+
+# --------------------------------------------------------------------------- properties
+@st.composite
+def random_job(draw, k: int) -> JobSpec:
+    """A random small training step plus random timing, phase and weight."""
+    n_fwd, n_bwd = draw(st.integers(2, 6)), draw(st.integers(2, 6))
+    phases = ["forward"] * n_fwd + ["loss"] + ["backward"] * n_bwd + ["optimizer"]
+    n = len(phases)
+    reads, writes = [set() for _ in range(n)], [set() for _ in range(n)]
+    sizes, roles = {1: draw(st.integers(1, 4 * MB))}, {1: "input"}
+    reads[0].add(1)
+    p, s = 2, 3
+    sizes[p], sizes[s] = draw(st.integers(1, 4 * MB)), draw(st.integers(1, 4 * MB))
+    roles[p], roles[s] = "param", "opt_state"
+    reads[draw(st.integers(1, n_fwd - 1))].add(p)
+    reads[n - 1].update({p, s})
+    writes[n - 1].update({p, s})
+    for sid in range(4, 4 + draw(st.integers(1, 8))):
+        sizes[sid] = draw(st.integers(1, 8 * MB))
+        prod = draw(st.integers(0, n_fwd - 1))
+        writes[prod].add(sid)
+        if draw(st.booleans()):
+            reads[prod].add(1)
+        reads[draw(st.integers(n_fwd + 1, n_fwd + n_bwd))].add(sid)
+    ops = [(f"op{i}", phases[i], draw(st.floats(0.1, 3.0)), sorted(reads[i]), sorted(writes[i]))
+           for i in range(n)]
+    tl = AccessTimeline.from_ops(ops, sizes, roles)
+    iter_ms = draw(st.one_of(st.none(), st.floats(0.5, 3.0).map(lambda f: f * tl.iteration_ms)))
+    start = draw(st.one_of(st.none(), st.floats(0.0, 0.05)))
+    return JobSpec(f"job{k}", tl, weight=draw(st.sampled_from([1.0, 2.0])), iter_ms=iter_ms,
+                   iter_start_s=start)
+
+
+@st.composite
+def job_sets(draw):
+    return [draw(random_job(k)) for k in range(draw(st.integers(1, 3)))]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=job_sets(), bw=st.floats(1e8, 1e11),
+       budget_frac=st.one_of(st.none(), st.floats(0.3, 1.0)))
+def test_joint_plans_keep_every_invariant(jobs, bw, budget_frac):
+    budget = None
+    if budget_frac is not None:
+        budget = max(1, int(budget_frac * layout_jobs(jobs).joint_curve(
+            {j.job_id: j.timeline.vanilla_curve() for j in jobs}).max()))
+    jp = plan_jobs(jobs, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw)
+    check_joint(jobs, jp)

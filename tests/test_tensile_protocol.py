@@ -1,0 +1,501 @@
+"""TENSILE scheduler process and protocol, end to end with CPU-only jobs (no CUDA).
+
+Most tests run the server in a thread of the test process (fast); the fault tests run it
+as ``python -m tensile.server`` in a subprocess and kill it, or kill a job process.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensile.server as server_mod
+from tensile.client import SchedulerError, TensileClient
+from tensile.protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, decode, encode,
+                              recv_message, timeline_from_wire, timeline_to_wire,
+                              validate_job_message, validate_server_message)
+from tensile.server import SchedulerServer
+from tensile.timeline import AccessTimeline
+
+MB = 1 << 20
+BW = (20e9, 20e9)
+EPS = 1e-6
+REPO = Path(__file__).resolve().parents[1]
+
+
+def job_timeline() -> AccessTimeline:
+    """A small training step (33 MiB vanilla peak; hidden swaps bring it to 25 MiB)."""
+    sizes = {1: 4 * MB, 2: 8 * MB, 3: 8 * MB, 4: 8 * MB, 5: 1 * MB, 6: 2 * MB, 7: 2 * MB}
+    roles = {1: "input", 6: "param", 7: "opt_state"}
+    ops = [("a", "forward", 1.0, [1, 6], [2]), ("b", "forward", 1.0, [2], [3]),
+           ("c", "forward", 1.0, [3], [4]), ("l", "loss", 1.0, [4], [5]),
+           ("d", "backward", 1.0, [5, 4], []), ("e", "backward", 1.0, [3], []),
+           ("f", "backward", 1.0, [2, 6], []), ("o", "optimizer", 0.5, [6, 7], [6, 7])]
+    return AccessTimeline.from_ops(ops, sizes, roles)
+
+
+def register_msg(job_id: str = "raw", **extra) -> dict:
+    tl = job_timeline()
+    return {"type": "register", "job_id": job_id, "weight": 1.0, "seq": 1,
+            "timeline": timeline_to_wire(tl), "op_times_ms": [float(x) for x in tl.op_ms],
+            "bandwidths": {"d2h": BW[0], "h2d": BW[1]}, **extra}
+
+
+def wait_until(cond, timeout: float = 5.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return False
+
+
+def newer(client: TensileClient, version: int, timeout: float = 5.0) -> bool:
+    """Heartbeat until the client holds a plan newer than ``version``."""
+    return wait_until(lambda: (client.heartbeat(), client.version)[1] > version, timeout)
+
+
+def no_overlap(copies) -> bool:
+    return all(b[0] >= a[1] - EPS for a, b in zip(copies, copies[1:]))
+
+
+# --------------------------------------------------------------------------- fixtures
+@pytest.fixture
+def sock_dir():
+    """A short directory for sockets (AF_UNIX paths are limited to ~107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="tsl", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def start_server(sock_dir):
+    """Start a scheduler in a thread of this process; stopped after the test."""
+    started = []
+
+    def start(**kw) -> SchedulerServer:
+        srv = SchedulerServer(sock_dir / f"s{len(started)}.sock", **kw)
+        th = threading.Thread(target=lambda: asyncio.run(srv.serve()), daemon=True)
+        th.start()
+        assert srv.ready.wait(10), "scheduler did not start"
+        started.append((srv, th))
+        return srv
+
+    yield start
+    for srv, th in started:
+        srv.stop()
+        th.join(10)
+        assert not th.is_alive(), "scheduler thread did not stop"
+
+
+@pytest.fixture
+def clients():
+    made: list[TensileClient] = []
+
+    def make(srv, job_id=None, **kw) -> TensileClient:
+        c = TensileClient(srv.path if isinstance(srv, SchedulerServer) else srv, job_id, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def raw(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(path))
+    return s
+
+
+def ask(s: socket.socket, payload: bytes) -> dict:
+    s.sendall(payload)
+    return recv_message(s, time.monotonic() + 5)
+
+
+def frame(body: bytes) -> bytes:
+    return HEADER.pack(len(body)) + body
+
+
+# --------------------------------------------------------------------------- protocol unit
+def test_frames_round_trip_and_refuse_bad_json():
+    msg = {"type": "heartbeat", "seq": 3}
+    data = encode(msg)
+    assert HEADER.unpack(data[:4])[0] == len(data) - 4
+    assert decode(data[4:]) == msg
+    with pytest.raises(ProtocolError, match="JSON"):
+        encode({"x": float("nan")})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode({"x": "y" * 100}, max_bytes=50)
+    with pytest.raises(ProtocolError, match="JSON object"):
+        decode(b"[1, 2]")
+    with pytest.raises(ProtocolError, match="JSON"):
+        decode(b"\xff\xfe")
+    with pytest.raises(ProtocolError, match="NaN"):
+        decode(b'{"iter_ms": NaN}')
+
+
+@pytest.mark.parametrize("msg, match", [
+    ({"type": "fly"}, "type: expected one of"),
+    ({}, "type: expected one of"),
+    ({"type": "heartbeat", "seq": True}, "heartbeat.seq: expected an int"),
+    ({"type": "heartbeat", "sequence": 1}, "unknown fields"),
+    ({"type": "measured"}, "missing field 'iter_ms'"),
+    ({"type": "measured", "iter_ms": -1}, "measured.iter_ms: expected a positive"),
+    ({"type": "measured", "iter_ms": 5, "op_times_ms": [1, "x"]}, r"op_times_ms\[1\]"),
+    ({**register_msg(), "weight": "heavy"}, "register.weight"),
+    ({**register_msg(), "job_id": "a b/c"}, "register.job_id"),
+    ({**register_msg(), "bandwidths": {"d2h": 1e9}}, "register.bandwidths"),
+    ({**register_msg(), "options": {"min_swap_bytes": 0}}, "min_swap_bytes"),
+    ({**register_msg(), "options": {"recompute": True}}, "only the keys"),
+])
+def test_job_messages_are_validated(msg, match):
+    with pytest.raises(ProtocolError, match=match):
+        validate_job_message(msg)
+
+
+def test_valid_messages_pass():
+    out = validate_job_message(register_msg(iter_ms=7.5, options={"allow_recompute": False}))
+    assert out["bandwidths"] == BW and out["iter_ms"] == 7.5
+    assert validate_server_message({"type": "ack", "reply_to": 2}) == {"type": "ack", "reply_to": 2}
+    with pytest.raises(ProtocolError):
+        validate_server_message({"type": "plan", "job_id": "a"})
+
+
+def test_timeline_round_trip():
+    tl = job_timeline()
+    back = timeline_from_wire(timeline_to_wire(tl), list(tl.op_ms))
+    assert back.names == tl.names and back.phases == tl.phases and back.random == tl.random
+    assert back.reads == tl.reads and back.writes == tl.writes
+    assert back.tensors == tl.tensors
+    np.testing.assert_array_equal(back.start, tl.start)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda w: w["names"].pop(), "timeline.names: expected a list of 8"),
+    (lambda w: w["phases"].__setitem__(0, "sideways"), r"timeline.phases\[0\]"),
+    (lambda w: w["reads"].__setitem__(0, ["x"]), r"timeline.reads\[0\]"),
+    (lambda w: w["tensors"].append({"sid": 99, "nbytes": 1, "role": "activation",
+                                    "swappable": False, "needed_by": None}), "never accessed"),
+    (lambda w: w["tensors"][0].__setitem__("role", "weights"), r"role"),
+    (lambda w: w["tensors"][0].__setitem__("nbytes", -5), r"nbytes"),
+    (lambda w: w.pop("random"), "an object with names"),
+])
+def test_malformed_timelines_are_refused(change, match):
+    tl = job_timeline()
+    wire = timeline_to_wire(tl)
+    change(wire)
+    with pytest.raises(ProtocolError, match=match):
+        timeline_from_wire(wire, list(tl.op_ms))
+
+
+# --------------------------------------------------------------------------- server, in a thread
+def test_registration_gets_a_plan_and_the_socket_is_private(start_server, clients):
+    srv = start_server()
+    assert stat.S_IMODE(os.stat(srv.path).st_mode) == 0o600
+    assert stat.S_ISSOCK(os.stat(srv.path).st_mode)
+    c = clients(srv)  # the scheduler names the job
+    plan = c.register(job_timeline(), bandwidths=BW)
+    assert plan is not None and c.plan is plan and c.version == 1
+    assert c.job_id == "job-1" and c.reason == "arrival of job-1"
+    assert plan.num_ops == 8 and plan.peak_before == 33 * MB and plan.peak_after == 25 * MB
+    assert c.heartbeat() is plan  # nothing changed: the same object
+
+
+def test_arrival_replans_both_jointly(start_server, clients):
+    srv = start_server()
+    a, b = clients(srv, "a"), clients(srv, "b")
+    pa = a.register(job_timeline(), bandwidths=BW)
+    assert b.register(job_timeline(), bandwidths=BW) is not None
+    assert newer(a, 1)  # the arrival of b was pushed to a
+    assert a.version == b.version == 2 and a.reason == "arrival of b"
+    joint = a.joint
+    assert joint["jobs"] == ["a", "b"]
+    assert joint["peak_after"] <= joint["sum_of_peaks_before"]
+    assert joint["peak_after"] <= a.plan.peak_after + b.plan.peak_after
+    copies = srv.last_joint.channel_copies()
+    assert copies["d2h"] and no_overlap(copies["d2h"]) and no_overlap(copies["h2d"])
+    assert {c[2] for c in copies["d2h"]} == {"a", "b"}  # both jobs copy on the one channel
+    assert pa is not None
+
+
+def test_leave_replans_the_others(start_server, clients):
+    srv = start_server()
+    a, b = clients(srv, "a"), clients(srv, "b")
+    a.register(job_timeline(), bandwidths=BW)
+    b.register(job_timeline(), bandwidths=BW)
+    assert newer(a, 1)
+    b.close()
+    assert newer(a, 2)
+    assert a.reason == "departure of b (left)" and a.joint["jobs"] == ["a"]
+    assert list(srv.jobs) == ["a"]
+
+
+def test_drift_over_30_percent_replans_and_under_does_not(start_server, clients):
+    srv = start_server()
+    c = clients(srv, "a")
+    c.register(job_timeline(), bandwidths=BW)
+    c.report(7.5, [1.0] * 7 + [0.5])  # first measured iteration: re-plan on measurements
+    assert newer(c, 1) and c.reason.startswith("first measurement of a")
+    v = c.version
+    for ms in (8.0, 7.0, 9.5):  # within 30 % of 7.5 ms
+        c.report(ms)
+    time.sleep(0.3)
+    c.heartbeat()
+    assert c.version == v, f"re-planned without drift: {srv.replans}"
+    c.report(7.5 * 1.5)  # 50 % slower, e.g. a co-runner started
+    assert newer(c, v)
+    assert c.reason.startswith("drift of a: 11.25 ms per iteration, planned for 7.50 ms")
+    assert c.plan.iteration_ms == pytest.approx(11.25)  # the plan uses the measured time
+
+
+def test_weights_are_honoured_end_to_end(start_server, clients):
+    srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
+    light, heavy = clients(srv, "light", weight=1.0), clients(srv, "heavy", weight=3.0)
+    heavy.register(job_timeline(), bandwidths=BW)
+    light.register(job_timeline(), bandwidths=BW)
+    assert newer(heavy, 1)
+    assert light.plan.feasible and heavy.plan.feasible
+    assert light.plan.swaps or light.plan.recomputes
+    assert not heavy.plan.swaps and not heavy.plan.recomputes
+
+
+def test_malformed_messages_get_errors_and_the_server_keeps_serving(start_server, clients):
+    srv = start_server()
+    s = raw(srv.path)
+    cases = [
+        (frame(b"{not json"), "bad_message", "JSON"),
+        (frame(b"[1, 2]"), "bad_message", "JSON object"),
+        (encode({"type": "fly", "seq": 4}), "bad_message", "type"),
+        (encode({"type": "heartbeat", "seq": 5}), "not_registered", "register"),
+        (encode({**register_msg(), "weight": "heavy"}), "bad_message", "register.weight"),
+        (encode({**register_msg(), "op_times_ms": [1.0] * 3}), "bad_message", "timeline.names"),
+    ]
+    for payload, code, text in cases:
+        reply = ask(s, payload)
+        assert reply["type"] == "error" and reply["code"] == code and text in reply["error"], reply
+    assert ask(s, encode({"type": "fly", "seq": 4}))["reply_to"] == 4
+    # The same connection can still register properly after its mistakes.
+    reply = ask(s, encode(register_msg("raw")))
+    assert reply["type"] == "plan" and reply["reply_to"] == 1 and reply["job_id"] == "raw"
+    reply = ask(s, encode({"type": "measured", "seq": 9, "iter_ms": 5.0, "op_times_ms": [1.0]}))
+    assert reply["code"] == "bad_message" and "expected 8 op times" in reply["error"]
+    reply = ask(s, encode({"type": "measured", "seq": 9, "iter_ms": 5.0,
+                           "op_start_ms": [3.0, 1.0] + [4.0] * 6}))
+    assert reply["code"] == "bad_message" and "non-decreasing" in reply["error"]
+    # A second registration under a live id is refused.
+    s2 = raw(srv.path)
+    assert ask(s2, encode(register_msg("raw")))["code"] == "id_in_use"
+    # An oversized length prefix: error, then the connection is closed.
+    s3 = raw(srv.path)
+    reply = ask(s3, HEADER.pack(MAX_MESSAGE_BYTES + 1))
+    assert reply["code"] == "too_large"
+    assert s3.recv(1) == b""
+    # A half-sent frame and a vanished peer do not hurt either.
+    s4 = raw(srv.path)
+    s4.sendall(HEADER.pack(100) + b"{")
+    s4.close()
+    # Still serving: a proper client registers and the raw job is still there.
+    c = clients(srv, "ok")
+    assert c.register(job_timeline(), bandwidths=BW) is not None
+    assert sorted(srv.jobs) == ["ok", "raw"]
+    for x in (s, s2, s3):
+        x.close()
+
+
+def test_client_checks_its_own_input(start_server, clients):
+    srv = start_server()
+    c = clients(srv, "a")
+    c.register(job_timeline(), bandwidths=BW)
+    with pytest.raises(ValueError, match="op_times has 2 entries"):
+        c.report(7.5, [1.0, 1.0])
+    with pytest.raises(ValueError, match="iter_ms"):
+        c.report(0.0)
+    with pytest.raises(ValueError, match="op_times has 3 entries"):
+        clients(srv, "b").register(job_timeline(), [1.0] * 3, bandwidths=BW)
+
+
+def test_planner_failure_affects_only_that_request(start_server, clients, monkeypatch):
+    srv = start_server()
+    a = clients(srv, "a")
+    plan = a.register(job_timeline(), bandwidths=BW)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("planner exploded")
+
+    monkeypatch.setattr(server_mod, "plan_jobs", boom)
+    b = clients(srv, "b")
+    with pytest.raises(SchedulerError, match="planner exploded") as err:
+        b.register(job_timeline(), bandwidths=BW)
+    assert err.value.code == "planner"
+    assert list(srv.jobs) == ["a"] and a.heartbeat() is plan  # a keeps its plan
+    monkeypatch.undo()
+    assert clients(srv, "c").register(job_timeline(), bandwidths=BW) is not None
+
+
+def test_silent_job_is_dropped_after_the_heartbeat_timeout(start_server, clients):
+    srv = start_server(heartbeat_timeout_s=0.5)
+    a = clients(srv, "a")
+    a.register(job_timeline(), bandwidths=BW)
+    s = raw(srv.path)
+    assert ask(s, encode(register_msg("silent")))["type"] == "plan"
+    assert newer(a, 1)
+    assert newer(a, 2, timeout=5.0)  # a keeps heartbeating; "silent" does not
+    assert a.reason == "departure of silent (silent for 0.5 s)"
+    assert list(srv.jobs) == ["a"]
+    s.close()
+
+
+def test_killed_job_is_dropped_and_the_others_replanned(start_server, clients, sock_dir):
+    srv = start_server()
+    a = clients(srv, "a")
+    a.register(job_timeline(), bandwidths=BW)
+    blob = sock_dir / "register.bin"
+    blob.write_bytes(encode(register_msg("victim")))
+    # A stand-in job process, stdlib only (fast to start): registers, then trains forever.
+    code = ("import socket, sys, time\n"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+            "s.sendall(open(sys.argv[2], 'rb').read()); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(srv.path), str(blob)])
+    try:
+        assert newer(a, 1, timeout=10) and "victim" in a.joint["jobs"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        t0 = time.monotonic()
+        assert newer(a, 2)
+        assert time.monotonic() - t0 < 5
+        assert a.reason == "departure of victim (connection closed)"
+        assert a.joint["jobs"] == ["a"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_no_scheduler_means_vanilla_without_waiting(sock_dir, clients):
+    c = clients(sock_dir / "nobody.sock", "a", retry_s=(0.05, 0.1))
+    t0 = time.monotonic()
+    assert c.register(job_timeline(), bandwidths=BW) is None
+    for _ in range(20):
+        assert c.report(7.5) is None
+    assert time.monotonic() - t0 < 1.0 and c.retries >= 1 and not c.connected
+
+
+def test_hung_scheduler_costs_at_most_the_timeout(sock_dir, clients):
+    """A scheduler that accepts connections but never answers (e.g. stopped with SIGSTOP)."""
+    path = sock_dir / "hung.sock"
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(str(path))
+    hung.listen(8)  # never accepts: connects succeed, replies never come
+    try:
+        c = clients(path, "a", timeout_s=0.2, register_timeout_s=0.3, retry_s=(0.05, 0.1))
+        t0 = time.monotonic()
+        assert c.register(job_timeline(), bandwidths=BW) is None
+        assert time.monotonic() - t0 < 1.5
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert c.report(7.5) is None
+            assert time.monotonic() - t0 < 1.0
+            time.sleep(0.06)
+        assert wait_until(lambda: c.report(7.5) is None and c.retries >= 3, timeout=5)
+    finally:
+        hung.close()
+
+
+def test_a_second_scheduler_on_a_live_socket_is_refused(start_server, sock_dir):
+    srv = start_server()
+    with pytest.raises(RuntimeError, match="already listening"):
+        asyncio.run(SchedulerServer(srv.path).serve())
+    (sock_dir / "plain").write_text("x")
+    with pytest.raises(FileExistsError, match="not a socket"):
+        asyncio.run(SchedulerServer(sock_dir / "plain").serve())
+
+
+# --------------------------------------------------------------------------- server process
+def spawn_server(path: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "tensile.server", "--socket", str(path),
+                             "--log-level", "WARNING", *extra], env=env, cwd=REPO)
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"the scheduler exited with {proc.returncode}")
+        try:
+            raw(path).close()
+            return True
+        except OSError:
+            return False
+
+    assert wait_until(listening, timeout=60, every=0.1), "the scheduler did not come up"
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+def fake_training(steps: int, client: TensileClient | None, lr: float = 0.1) -> tuple[np.ndarray, list]:
+    """Gradient descent on a quadratic; reports to the scheduler after every step."""
+    w = np.ones(4)
+    plans = []
+    for _ in range(steps):
+        t0 = time.monotonic()
+        w = w - lr * 2 * (w - np.arange(4))  # the step itself never depends on the scheduler
+        if client is not None:
+            plans.append(client.report(max((time.monotonic() - t0) * 1e3, 1e-3)))
+    return w, plans
+
+
+@pytest.mark.slow
+def test_killed_scheduler_then_restarted(sock_dir, clients):
+    path = sock_dir / "sched.sock"
+    proc = spawn_server(path)
+    try:
+        # The scheduler process listens on the Unix socket only: no TCP socket at all.
+        if Path("/proc/net/tcp").exists():
+            inodes = {os.readlink(f"/proc/{proc.pid}/fd/{fd}")[8:-1]
+                      for fd in os.listdir(f"/proc/{proc.pid}/fd")
+                      if os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith("socket:[")}
+            tcp = set()
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                if Path(table).exists():
+                    tcp |= {line.split()[9] for line in Path(table).read_text().splitlines()[1:]}
+            assert inodes and not inodes & tcp
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+        c = clients(path, "job", timeout_s=1.0, retry_s=(0.05, 0.2))
+        assert c.register(job_timeline(), bandwidths=BW) is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+        t0 = time.monotonic()
+        w, plans = fake_training(50, c)
+        assert time.monotonic() - t0 < 5, "client calls blocked training"
+        assert all(p is None for p in plans) and not c.connected
+        w_ref, _ = fake_training(50, None)
+        np.testing.assert_array_equal(w, w_ref)  # no step lost or corrupted
+
+        proc = spawn_server(path)  # replaces the stale socket file of the killed one
+        assert wait_until(lambda: c.report(1.0) is not None, timeout=10)
+        assert c.job_id == "job" and c.version == 1 and c.reason == "arrival of job"
+        proc.send_signal(signal.SIGTERM)  # a clean stop removes the socket file
+        proc.wait(10)
+        assert proc.returncode == 0 and not path.exists()
+        assert c.report(1.0) is None
+    finally:
+        stop(proc)
