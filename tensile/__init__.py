@@ -2,7 +2,9 @@
 
 Trace one training step → access timeline → greedy peak-shaving plan → runtime that
 applies the plan every step. The planner and simulator are pure Python (CPU-tested);
-the runtime needs CUDA, with a CPU simulation mode for its bookkeeping.
+the runtime needs CUDA, with a CPU simulation mode for its bookkeeping. Several jobs on
+one GPU: ``python -m tensile.server`` plans them jointly; jobs connect with
+:class:`TensileClient` (:mod:`tensile.multi` holds the joint planner).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -12,6 +14,8 @@ from .record import Recording, record_step
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .step import training_step
+from .client import SchedulerError, TensileClient
+from .multi import JobSpec, JointPlan, plan_jobs, simulate_joint
 from .timeline import AccessTimeline, TensorInfo
 
 __all__ = [
@@ -19,4 +23,5 @@ __all__ = [
     "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
+    "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
 ]

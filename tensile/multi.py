@@ -52,7 +52,7 @@ import numpy as np
 from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
-from .planner import _EPS, _Channel, _State, _check_args
+from .planner import EPS, CopyChannel, PlanState, check_plan_args
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -188,7 +188,7 @@ def layout_jobs(jobs: Sequence[JobSpec]) -> JointLayout:
         for k in range(repeats[jid]):
             cuts.append((tl.start + phases[jid] + k * periods[jid]) % cycle)
     bounds = np.unique(np.concatenate(cuts))
-    bounds = bounds[np.concatenate(([True], np.diff(bounds) > _EPS))]  # drop float-noise slivers
+    bounds = bounds[np.concatenate(([True], np.diff(bounds) > EPS))]  # drop float-noise slivers
     bounds[-1] = cycle
     mids = (bounds[:-1] + bounds[1:]) / 2
     seg_op = {}
@@ -214,7 +214,7 @@ def _wall_spans(job: JobSpec) -> np.ndarray:
         raise ValueError(f"job {job.job_id}: op_start_ms needs iter_ms (the end of the last op's span)")
     ends = np.append(starts[1:], job.iter_ms)
     if not (np.all(np.isfinite(starts)) and starts[0] >= 0 and np.all(np.diff(ends) >= 0)
-            and ends[-1] > starts[-1] - _EPS):
+            and ends[-1] > starts[-1] - EPS):
         raise ValueError(f"job {job.job_id}: op_start_ms must be finite, >= 0, non-decreasing "
                          f"and before iter_ms={job.iter_ms}")
     # Two ops starting at the same timer tick would get a zero span; timelines need > 0.
@@ -228,11 +228,11 @@ def _positive(x: float, what: str) -> None:
 
 def _wrap(start: float, end: float, cycle: float) -> list[tuple[float, float]]:
     """``[start, end)`` modulo ``cycle``, split where it crosses the cycle end."""
-    if end - start >= cycle - _EPS:
+    if end - start >= cycle - EPS:
         return [(0.0, cycle)]
     s = start % cycle
     e = s + (end - start)
-    return [(s, e)] if e <= cycle + _EPS else [(s, cycle), (0.0, e - cycle)]
+    return [(s, e)] if e <= cycle + EPS else [(s, cycle), (0.0, e - cycle)]
 
 
 # ---------------------------------------------------------------------- shared channels
@@ -248,7 +248,7 @@ class _SharedChannel:
 
 
 class _JobChannel:
-    """A job's view of a shared channel, in the job's local ms (``_Channel``'s interface).
+    """A job's view of a shared channel, in the job's local ms (``CopyChannel``'s interface).
 
     A job with period ``P`` and phase ``phi`` sees every busy interval folded modulo
     ``P`` and shifted by ``-phi``: a local slot is free only if it is free in every
@@ -257,27 +257,27 @@ class _JobChannel:
 
     def __init__(self, shared: _SharedChannel, phase: float, period: float, repeats: int):
         self.shared, self.phase, self.period, self.repeats = shared, phase, period, repeats
-        self._cache: tuple[int, _Channel] | None = None
+        self._cache: tuple[int, CopyChannel] | None = None
 
-    def _view(self) -> _Channel:
+    def _view(self) -> CopyChannel:
         n = len(self.shared.busy)  # the shared list only grows: its length identifies it
         if self._cache is None or self._cache[0] != n:
             self._cache = (n, self._fold())
         return self._cache[1]
 
-    def _fold(self) -> _Channel:
+    def _fold(self) -> CopyChannel:
         P = self.period
         folded: list[tuple[float, float]] = []
         for s, e in self.shared.busy:
             folded.extend(_wrap(s - self.phase, e - self.phase, P))
         folded.sort()
-        merged: list[list[float]] = []  # _Channel's searches need disjoint intervals
+        merged: list[list[float]] = []  # CopyChannel's searches need disjoint intervals
         for s, e in folded:
-            if merged and s <= merged[-1][1] + _EPS:
+            if merged and s <= merged[-1][1] + EPS:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        ch = _Channel()
+        ch = CopyChannel()
         ch.busy = [(s, e) for s, e in merged]
         return ch
 
@@ -307,7 +307,7 @@ def plan_jobs(
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
     hidden swaps only); ``d2h_bw``/``h2d_bw`` are the GPU's copy bandwidths in bytes/s.
     """
-    _check_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, 1)
+    check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, 1)
     for j in jobs:
         _positive(j.weight, f"job {j.job_id}: weight")
         if not isinstance(j.min_bytes, (int, np.integer)) or j.min_bytes < 1:
@@ -316,9 +316,9 @@ def plan_jobs(
     lay = layout_jobs(jobs)
     spec = {j.job_id: j for j in jobs}
     d2h, h2d = _SharedChannel(lay.cycle_ms), _SharedChannel(lay.cycle_ms)
-    states: dict[str, _State] = {}
+    states: dict[str, PlanState] = {}
     for jid, tl in lay.timelines.items():
-        st = _State(tl, d2h_bw, h2d_bw, copy_latency_ms)
+        st = PlanState(tl, d2h_bw, h2d_bw, copy_latency_ms)
         view = (lay.phases[jid], lay.periods[jid], lay.repeats[jid])
         st.d2h, st.h2d = _JobChannel(d2h, *view), _JobChannel(h2d, *view)
         states[jid] = st
@@ -361,7 +361,7 @@ def plan_jobs(
 
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
-                states: dict[str, _State], failed: dict[str, set[tuple[int, int]]],
+                states: dict[str, PlanState], failed: dict[str, set[tuple[int, int]]],
                 with_budget: bool) -> bool:
     """Move one tensor off the device at joint segment ``p`` (weight rule: module doc)."""
     for w in classes:
@@ -380,7 +380,7 @@ def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: Join
     return False
 
 
-def _job_plan(st: _State, job: JobSpec, budget: int | None, d2h_bw: float, h2d_bw: float) -> Plan:
+def _job_plan(st: PlanState, job: JobSpec, budget: int | None, d2h_bw: float, h2d_bw: float) -> Plan:
     """The :class:`Plan` of one job from its planner state (as :func:`tensile.planner.plan`)."""
     tl = st.tl
     return Plan(

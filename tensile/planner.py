@@ -34,7 +34,7 @@ from .timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
 __all__ = ["plan"]
 
-_EPS = 1e-9
+EPS = 1e-9
 
 
 def plan(
@@ -55,9 +55,9 @@ def plan(
     ``copy_latency_ms``. Tensors smaller than ``min_bytes`` are never moved.
     ``budget_bytes=None`` minimises the peak with hidden swaps only.
     """
-    _check_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
+    check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     t0 = time.perf_counter()
-    st = _State(timeline, d2h_bw, h2d_bw, copy_latency_ms)
+    st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
     failed: set[tuple[int, int]] = set()
     while timeline.num_ops:
@@ -93,7 +93,7 @@ def plan(
     return result
 
 
-class _Channel:
+class CopyChannel:
     """One copy direction: sorted, pairwise disjoint busy intervals ``[start, end)`` in ms."""
 
     def __init__(self) -> None:
@@ -103,29 +103,29 @@ class _Channel:
         """Earliest start ``>= lo`` of a free slot of length ``d`` ending by ``hi``."""
         t = lo
         for s, e in self.busy:
-            if e <= t + _EPS:
+            if e <= t + EPS:
                 continue
-            if s >= t + d - _EPS:
+            if s >= t + d - EPS:
                 break
             t = e
-        return t if t + d <= hi + _EPS else None
+        return t if t + d <= hi + EPS else None
 
     def latest(self, lo: float, hi: float, d: float) -> float | None:
         """Latest start of a free slot of length ``d`` inside ``[lo, hi]``."""
         t = hi  # candidate end of the slot
         for s, e in reversed(self.busy):
-            if s >= t - _EPS:
+            if s >= t - EPS:
                 continue
-            if e <= t - d + _EPS:
+            if e <= t - d + EPS:
                 break
             t = s
-        return t - d if t - d >= lo - _EPS else None
+        return t - d if t - d >= lo - EPS else None
 
     def add(self, start: float, end: float) -> None:
         bisect.insort(self.busy, (start, end))
 
 
-class _State:
+class PlanState:
     """The planner's working state: memory curve, channels, committed actions."""
 
     def __init__(self, tl: AccessTimeline, d2h_bw: float, h2d_bw: float, latency: float):
@@ -144,7 +144,7 @@ class _State:
         self.free = np.ones(len(info), dtype=bool)  # neither moved nor pinned as a source
         self.moved: set[int] = set()  # swapped or recomputed
         self.row = {int(s): i for i, s in enumerate(self.sids)}
-        self.d2h, self.h2d = _Channel(), _Channel()
+        self.d2h, self.h2d = CopyChannel(), CopyChannel()
         self.swaps: list[Swap] = []
         self.recomputes: list[Recompute] = []
 
@@ -278,7 +278,7 @@ class _State:
         return not any(prod < w <= j for w in t.writes)
 
 
-def _check_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:
+def check_plan_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
                                or budget <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget!r}")
