@@ -34,6 +34,9 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NOT_GPU_DIRS = {"paper", "analysis"}
 PROTOCOL_WARMUP, PROTOCOL_ITERS = 50, 200  # conf/timing/default.yaml; fewer = smoke
+# Per-experiment protocols where they differ: TENSILE's is 5 warm-up and 50 measured steps
+# (conf/experiment/tensile.yaml), as the TENSILE authors ran it.
+PROTOCOL = {"tensile": (5, 50)}
 NUMERIC = ["batch_size", "median_ms", "p10_ms", "p90_ms", "mean_ms", "std_ms", "wall_ms", "warmup",
            "iters", "prepare_s", "peak_mem_mb", "graph_mem_mb"]
 GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each other
@@ -54,8 +57,11 @@ def gpu_dirs(results_dir: str | Path) -> list[Path]:
 
 
 def _is_smoke(df: pd.DataFrame) -> pd.Series:
-    return ((df["device"] != "cuda") | (df["warmup"].fillna(0) < PROTOCOL_WARMUP)
-            | (df["iters"].fillna(0) < PROTOCOL_ITERS))
+    protocol = df["experiment"].map(lambda e: PROTOCOL.get(e, (PROTOCOL_WARMUP, PROTOCOL_ITERS)))
+    warmup = protocol.map(lambda p: p[0])
+    iters = protocol.map(lambda p: p[1])
+    return ((df["device"] != "cuda") | (df["warmup"].fillna(0) < warmup)
+            | (df["iters"].fillna(0) < iters))
 
 
 def load_rows(gpu_dir: str | Path) -> pd.DataFrame:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
-EXPERIMENTS = ("inference", "training")  # tensile: config exists, runner not yet
+EXPERIMENTS = ("inference", "training", "tensile")
 TRAINING_MODES = ("fwd-bwd", "whole-step")
 OPTIMIZERS = ("sgd", "adam")
 
@@ -59,6 +59,11 @@ def _models():
     return importlib.import_module("experiments.models")
 
 
+def _tensile_run():
+    """The runner of experiment=tensile (:mod:`experiments.tensile_run`)."""
+    return importlib.import_module("experiments.tensile_run")
+
+
 def _backends():
     """The backend registry (``baselines``: BACKENDS, get_backend, try_prepare)."""
     registry = importlib.import_module("baselines")  # importing it registers the baseline adapters
@@ -72,12 +77,9 @@ def _backends():
 def validate(cfg: DictConfig) -> None:
     """Fail fast, naming the valid choices, before any model or backend is built."""
     exp = cfg.experiment.name
-    if exp == "tensile":
-        have = importlib.util.find_spec("tensile") is not None
-        raise ConfigError(
-            "experiment=tensile is not implemented yet in experiments/run.py "
-            f"(the tensile package is {'present' if have else 'missing'}); "
-            f"implemented experiments: {', '.join(EXPERIMENTS)}")
+    if exp == "tensile":  # methods instead of backends: its own checks
+        _tensile_run().validate(cfg, _models().MODELS)
+        return
     if exp not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment {exp!r}; valid: {', '.join(EXPERIMENTS)}")
     if exp == "training":
@@ -330,6 +332,8 @@ def run_config(cfg: DictConfig, on_row: Callable[[dict], None] = lambda row: Non
     env = environment(device)
     exp = cfg.experiment
     out_dir = Path(hydra.utils.to_absolute_path(cfg.results_dir)) / gpu_slug(str(env["gpu"]))
+    if exp.name == "tensile":
+        return _tensile_run().run(cfg, _models(), device, env, out_dir, on_row)
     store = ResultStore(out_dir / f"{exp.name}.csv")
     common = {"experiment": exp.name, "mode": exp.mode, "model": cfg.model.name,
               "batch_size": cfg.batch_size, "warmup": cfg.timing.warmup, "iters": cfg.timing.iters}

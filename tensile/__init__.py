@@ -14,7 +14,9 @@ from .record import Recording, record_step
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .step import training_step
+from .baselines import METHODS, StepFn, checkpoint_blocks, make_method
 from .client import SchedulerError, TensileClient
+from .policies import capuchin_plan, vdnn_plan
 from .multi import JobSpec, JointPlan, plan_jobs, simulate_joint
 from .timeline import AccessTimeline, TensorInfo
 
@@ -24,4 +26,5 @@ __all__ = [
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
+    "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
 ]

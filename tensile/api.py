@@ -17,6 +17,8 @@ Lifecycle (TENSILE's cold start and re-planning, reference §3.3):
 """
 from __future__ import annotations
 
+import functools
+
 import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -125,7 +127,7 @@ class Scheduler:
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = 0.01,
-                 replan: bool = True) -> None:
+                 replan: bool = True, planner: Callable[..., Plan] | None = None) -> None:
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
@@ -136,6 +138,10 @@ class Scheduler:
         self.min_bytes = min_swap_bytes if min_swap_bytes is not None else (1 if self.simulate else 1 << 16)
         self.copy_latency_ms = copy_latency_ms
         self.replan_enabled = replan
+        # planner(timeline, *, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes) -> Plan:
+        # TENSILE's greedy peak shaving by default; tensile.policies has vDNN and Capuchin.
+        self.planner = planner or functools.partial(
+            make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration)
 
         self._example = _signature(example_batch)
         self.recording = self._record(example_batch)
@@ -215,10 +221,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
     def _plan(self) -> Plan:
-        p = make_plan(self.timeline, budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw,
-                      h2d_bw=self.h2d_bw, allow_recompute=self.allow_recompute,
-                      allow_cross_iteration=self.allow_cross,
-                      copy_latency_ms=self.copy_latency_ms, min_bytes=self.min_bytes)
+        p = self.planner(self.timeline, budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw,
+                         h2d_bw=self.h2d_bw, copy_latency_ms=self.copy_latency_ms,
+                         min_bytes=self.min_bytes)
         self.planner_ms_total += p.planner_ms
         return p
 

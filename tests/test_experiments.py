@@ -243,10 +243,6 @@ def test_cuda_on_a_cpu_host_suggests_device_cpu(fakes, tmp_path):
     _config_error(_compose(["model.name=tiny", f"results_dir={tmp_path}"]), "device=cpu")
 
 
-def test_tensile_says_not_implemented(fakes, tmp_path):
-    _config_error(_cpu_cfg(tmp_path, "experiment=tensile"), "not implemented yet")
-
-
 def test_bad_training_knobs_are_refused(fakes, tmp_path):
     _config_error(_cpu_cfg(tmp_path, "experiment=training", "experiment.optimizer=lbfgs"),
                   "valid: sgd, adam")

@@ -164,3 +164,9 @@ def test_cli_finds_gpu_folders_and_refuses_unknown_gpu(results, capsys):
     with pytest.raises(SystemExit):
         report.main(["--results", str(results), "--gpu", "a100"])
     assert "found: h200" in capsys.readouterr().err
+
+
+def test_smoke_rule_follows_each_experiments_protocol():
+    df = pd.DataFrame({"experiment": ["tensile", "inference", "tensile"], "device": ["cuda"] * 3,
+                       "warmup": [5, 5, 5], "iters": [50, 50, 10]})
+    assert report._is_smoke(df).tolist() == [False, True, True]

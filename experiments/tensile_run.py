@@ -1,0 +1,434 @@
+"""``experiment=tensile``: TENSILE, vDNN, Capuchin and PyTorch's memory savers on one model × batch.
+
+    python -m experiments.run experiment=tensile model=resnet50 batch_size=16
+    python -m experiments.run +sweep=tensile_single      # the paper's batch-16 table
+
+One job builds a fresh model and Adam for every method in ``experiment.methods``
+(:func:`tensile.baselines.make_method`), runs ``warmup`` steps, then ``repeats`` × ``iters``
+measured steps: per step the CUDA-event time (``perf_counter`` on CPU), per repeat the peak
+``max_memory_allocated`` / ``max_memory_reserved`` (reset after the warm-up). The vanilla step
+is always measured first in the same process, so every row carries TENSILE's metrics
+against it (reference §3.7, with allocator peaks instead of NVML):
+
+* MSR = 1 - peak / peak_vanilla, for allocated (``msr``) and reserved (``msr_reserved``) peaks;
+* EOR = time / time_vanilla - 1 (mean step times); CBR = MSR / EOR (empty when EOR <= 0);
+* for tensile/vdnn/capuchin: passive swap-in share, bytes moved per step and planner time
+  over the measured steps, from ``Scheduler.report()``.
+
+They go into the row's ``extra`` JSON (:mod:`experiments.store`). ``memory_gb`` (or
+``memory_fraction``) caps the process with ``torch.cuda.set_per_process_memory_fraction`` to
+emulate a smaller GPU; an out-of-memory method is an error row ("out of memory at ..."),
+never a crash. On CPU (``timing=quick`` only) memory is not measured and the tensile
+runtime runs in its simulation mode: a smoke test of the whole path.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from experiments.run import ConfigError
+from experiments.store import ResultStore, row_key
+from experiments.timing import measure
+from tensile.baselines import METHODS, make_method
+from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
+
+log = logging.getLogger(__name__)
+
+__all__ = ["validate", "protocol", "setting", "method_label", "derived_metrics",
+           "classification_loss", "measure_method", "machine_rates", "run", "EMULATED_HEADROOM"]
+
+MB = 2**20
+# With an emulated smaller GPU and no explicit budget, TENSILE and Capuchin plan to this
+# share of it: the planner counts tensor bytes only, the allocator's rounding, fragmentation
+# and cuDNN workspaces need the rest.
+EMULATED_HEADROOM = 0.9
+SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
+OPTIMIZERS = ("adam", "sgd")
+
+
+# --------------------------------------------------------------------------- configuration
+
+def validate(cfg, models: dict) -> None:
+    """Fail fast with the valid choices (:class:`experiments.run.ConfigError`)."""
+    exp = cfg.experiment
+    if cfg.model.name not in models:
+        raise ConfigError(f"unknown model {cfg.model.name!r}; valid: {', '.join(models)}")
+    batch = cfg.batch_size
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch!r}")
+    methods = list(exp.methods or [])
+    if not methods:
+        raise ConfigError(f"experiment.methods is empty; valid: {', '.join(METHODS)}")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {unknown}; valid: {', '.join(METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise ConfigError(f"experiment.methods lists a method twice: {methods}")
+    if exp.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"experiment.optimizer={exp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    warmup, iters, repeats = protocol(cfg)
+    if iters < 1 or repeats < 1:
+        raise ConfigError(f"need iters >= 1 and repeats >= 1, got iters={iters}, repeats={repeats}")
+    if warmup < 2 and set(methods) & set(SCHEDULED):
+        raise ConfigError(f"warmup={warmup}: the scheduled methods need >= 2 warm-up steps (the "
+                          "first creates the optimizer state, the second times every op to re-plan)")
+    _check_budget(exp.budget)
+    amb = exp.activation_memory_budget
+    if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
+        raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
+    device = cfg.device.name
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"unknown device {device!r}; valid: cuda, cpu")
+    if device == "cpu":
+        if cfg.timing.name != "quick":
+            raise ConfigError("experiment=tensile on device=cpu is a smoke run only (no GPU memory "
+                              "to measure, simulated runtime): add timing=quick")
+        if exp.memory_fraction is not None or exp.memory_gb is not None:
+            raise ConfigError("experiment.memory_fraction / memory_gb cap GPU memory: they need "
+                              "device=cuda")
+    elif not torch.cuda.is_available():
+        raise ConfigError("device=cuda, but this host has no usable CUDA GPU "
+                          "(torch.cuda.is_available() is False); for a smoke run use device=cpu "
+                          "timing=quick")
+    if exp.memory_fraction is not None and exp.memory_gb is not None:
+        raise ConfigError("give experiment.memory_fraction or experiment.memory_gb, not both")
+    f = exp.memory_fraction
+    if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1):
+        raise ConfigError(f"experiment.memory_fraction must be in (0, 1], got {f!r}")
+    g = exp.memory_gb
+    if g is not None and (not isinstance(g, (int, float)) or isinstance(g, bool) or g <= 0):
+        raise ConfigError(f"experiment.memory_gb must be a positive number of GiB, got {g!r}")
+
+
+def _check_budget(b) -> None:
+    ok = b is None or (isinstance(b, float) and 0 < b <= 1) or \
+        (isinstance(b, int) and not isinstance(b, bool) and b > 0)
+    if not ok:
+        raise ConfigError(f"experiment.budget must be null, a fraction in (0, 1] of the GPU "
+                          f"(a float) or bytes (a positive int); got {b!r}")
+
+
+def protocol(cfg) -> tuple[int, int, int]:
+    """``(warmup, iters, repeats)``: the experiment's (TENSILE: 5, 50, 3); ``timing=quick``
+    (smoke) takes the quick group's warm-up and iterations and one repeat instead."""
+    exp = cfg.experiment
+    if cfg.timing.name == "quick":
+        return int(cfg.timing.warmup), int(cfg.timing.iters), 1
+    return int(exp.warmup), int(exp.iters), int(exp.repeats)
+
+
+def setting(exp) -> str:
+    """The row's ``mode``: ``whole-step`` plus every knob that changes what all methods see."""
+    parts = [str(exp.mode)]
+    if exp.memory_gb is not None:
+        parts.append(f"mem={exp.memory_gb:g}GiB")
+    if exp.memory_fraction is not None:
+        parts.append(f"memfrac={exp.memory_fraction:g}")
+    if exp.budget is not None:  # a fraction, or exact bytes
+        parts.append(f"budget={exp.budget:g}" if isinstance(exp.budget, float) else f"budget={exp.budget}")
+    if not exp.cap_setup and (exp.memory_gb is not None or exp.memory_fraction is not None):
+        parts.append("uncapped-setup")
+    return ",".join(parts)
+
+
+def method_label(name: str, exp) -> str:
+    """The row's ``backend``: the method, with its own knob where it has one."""
+    if name == "compile_budget":
+        return f"compile_budget={exp.activation_memory_budget:g}"
+    return name
+
+
+# --------------------------------------------------------------------------- metrics
+
+def derived_metrics(fields: dict, ref: dict | None) -> dict:
+    """MSR (allocated, reserved), EOR and CBR of ``fields`` against the vanilla ``ref``.
+
+    Values that cannot be computed (no vanilla, no memory on CPU) are ``None``; CBR is
+    ``None`` when EOR <= 0 (no overhead: the ratio is unbounded).
+    """
+    out: dict[str, Any] = {"peak_vanilla_mb": None, "peak_vanilla_reserved_mb": None,
+                           "time_vanilla_ms": None, "msr": None, "msr_reserved": None,
+                           "eor": None, "cbr": None, "cbr_reserved": None}
+    if not ref or ref.get("status") != "ok" or fields.get("status") != "ok":
+        return out
+    extra, ref_extra = fields.get("extra", {}), ref.get("extra", {})
+    out["peak_vanilla_mb"] = ref.get("peak_mem_mb")
+    out["peak_vanilla_reserved_mb"] = ref_extra.get("peak_reserved_mb")
+    out["time_vanilla_ms"] = ref["mean_ms"]
+    out["msr"] = _saving(fields.get("peak_mem_mb"), ref.get("peak_mem_mb"))
+    out["msr_reserved"] = _saving(extra.get("peak_reserved_mb"), ref_extra.get("peak_reserved_mb"))
+    out["eor"] = fields["mean_ms"] / ref["mean_ms"] - 1
+    for key, msr in (("cbr", out["msr"]), ("cbr_reserved", out["msr_reserved"])):
+        out[key] = msr / out["eor"] if msr is not None and out["eor"] > 0 else None
+    return out
+
+
+def _saving(peak: float | None, vanilla: float | None) -> float | None:
+    if peak is None or vanilla is None or not vanilla > 0:
+        return None
+    return 1 - peak / vanilla
+
+
+def _scheduler_metrics(before: dict, after: dict) -> dict:
+    """What a scheduled method did over the measured steps (deltas of two reports)."""
+    d = {k: after[k] - before[k] for k in ("steps", "swap_ins", "passive_swap_ins", "recomputes",
+                                           "bytes_d2h", "bytes_h2d", "ineffective_releases")}
+    steps = d["steps"] or 1
+    return {
+        "passive_share": d["passive_swap_ins"] / d["swap_ins"] if d["swap_ins"] else None,
+        "bytes_moved_per_step": (d["bytes_d2h"] + d["bytes_h2d"]) / steps,
+        "swap_ins_per_step": d["swap_ins"] / steps,
+        "recomputes_per_step": d["recomputes"] / steps,
+        "ineffective_releases": d["ineffective_releases"],
+        "planner_ms": after["planner_ms_total"], "planner_ms_last": after["planner_ms_last"],
+        "replans": after["replans"], "drift_events": after["drift_events"],
+        "swaps_planned": after["swaps_planned"], "recomputes_planned": after["recomputes_planned"],
+        "planned_peak_vanilla_mb": after["peak_before"] / MB,
+        "planned_peak_mb": after["peak_after"] / MB,
+        "msr_planned": 1 - after["peak_after"] / after["peak_before"] if after["peak_before"] else None,
+        "plan_feasible": after["feasible"], "plan_overhead_ms": after["est_overhead_ms"],
+        "budget_mb": None if after["budget_bytes"] is None else after["budget_bytes"] / MB,
+        "host_pool_mb": after["host_pool_bytes"] / MB,
+    }
+
+
+# --------------------------------------------------------------------------- one method
+
+def classification_loss(out, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the logits (Inception-v3's train-mode output is ``(logits, aux)``)."""
+    return F.cross_entropy(out[0] if isinstance(out, (tuple, list)) else out, target)
+
+
+def _drop_aux_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Inception-v3 without its auxiliary classifier: in training it needs 299-pixel inputs
+    (at TENSILE's 224 its 5x5 conv sees 3x3), and the loss uses the main logits only."""
+    if getattr(model, "AuxLogits", None) is not None:
+        model.AuxLogits = None
+        model.aux_logits = False
+    return model
+
+
+def _optimizer(model: torch.nn.Module, exp) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if exp.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
+    return torch.optim.Adam(params, lr=exp.lr)
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
+                   device: str, warmup: int, iters: int, repeats: int, opts: dict,
+                   fraction: float | None = None, cap_setup: bool = True) -> dict:
+    """Build, warm up and time one method; returns the row's measured fields.
+
+    ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
+    the training steps (after ``make_method``: TENSILE's recording step, for one, runs a
+    vanilla step). Raises what the method raises (the caller turns it into an error row).
+    """
+    cuda = device == "cuda"
+    if fraction is not None and cap_setup:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    model = build()
+    opt = _optimizer(model, exp)
+    t0 = time.perf_counter()
+    step = make_method(name, model, opt, classification_loss, batch, **opts)
+    prepare_s = time.perf_counter() - t0
+    if fraction is not None and not cap_setup:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    last: dict[str, torch.Tensor] = {}
+
+    def call(b):
+        last["loss"] = step(b)
+
+    for _ in range(warmup):
+        call(batch)
+    if cuda:  # blocks cached during warm-up (recording, compilation) would inflate reserved
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    before = step.stats()
+    samples, walls, peaks, reserved, means = [], [], [], [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t = measure(call, (batch,), warmup=0, iters=iters, device=device)
+        samples += t.samples
+        walls.append(t.wall_ms)
+        means.append(t.mean_ms)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated() / MB)
+            reserved.append(torch.cuda.max_memory_reserved() / MB)
+        loss = float(last["loss"])
+        if not math.isfinite(loss):
+            return {"status": "error", "reason": f"non-finite loss {loss} after measured steps",
+                    "prepare_s": round(prepare_s, 3)}
+    stats = step.stats()
+    extra = {"repeats": repeats, "repeat_mean_ms": [round(m, 4) for m in means],
+             "repeat_std_ms": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
+             "loss": loss}
+    extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
+    if cuda:
+        extra.update(peak_reserved_mb=round(max(reserved), 1),
+                     repeat_peak_mb=[round(p, 1) for p in peaks],
+                     repeat_peak_reserved_mb=[round(r, 1) for r in reserved])
+    arr = np.asarray(samples, dtype=float)
+    ms = lambda v: round(float(v), 4)  # noqa: E731
+    return {"status": "ok", "reason": "", "median_ms": ms(np.median(arr)),
+            "p10_ms": ms(np.percentile(arr, 10)), "p90_ms": ms(np.percentile(arr, 90)),
+            "mean_ms": ms(arr.mean()), "std_ms": ms(arr.std(ddof=1)) if arr.size > 1 else 0.0,
+            "wall_ms": ms(np.median(walls)), "prepare_s": round(prepare_s, 3),
+            "peak_mem_mb": round(max(peaks), 1) if cuda else None, "extra": extra}
+
+
+def machine_rates(device: str) -> dict[str, float]:
+    """Peak rates and copy bandwidths for the scheduled methods, measured once per job.
+
+    Measured before any memory cap (the probes use a few GiB on a GPU) and shared, so all
+    scheduled methods plan with the same numbers.
+    """
+    flops, bw = measure_peak_rates(device)
+    d2h, h2d = measure_copy_bandwidth(device)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"peak_flops": flops, "peak_bytes_per_s": bw, "d2h_bw": d2h, "h2d_bw": h2d}
+
+
+def _method_opts(name: str, exp, device: str, fraction: float | None,
+                 tensile_peak: int | None, rates: dict) -> dict:
+    """The options ``make_method`` gets for ``name`` under this job's config."""
+    budget = exp.budget
+    if budget is None and fraction is not None:
+        budget = EMULATED_HEADROOM * fraction
+    if name in ("checkpoint", "sac"):
+        return {"layers_per_block": exp.layers_per_block}
+    if name == "compile_budget":
+        return {"activation_memory_budget": float(exp.activation_memory_budget)}
+    if name in SCHEDULED:
+        opts: dict[str, Any] = {"simulate": device != "cuda", **rates}
+        if name == "capuchin" and budget is None:
+            if tensile_peak is None:
+                raise ValueError("capuchin needs a budget: set experiment.budget, or measure "
+                                 "tensile in the same job (its planned peak is the budget, as "
+                                 "the TENSILE authors did)")
+            budget = int(tensile_peak)
+        if name in ("tensile", "capuchin"):
+            opts["budget"] = budget
+        return opts
+    return {}
+
+
+# --------------------------------------------------------------------------- one job
+
+def _memory_fraction(exp, device: str) -> float | None:
+    """The per-process memory fraction this job caps the GPU to (None: uncapped)."""
+    if device != "cuda":
+        return None
+    if exp.memory_gb is not None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        f = exp.memory_gb * 2**30 / total
+        if f > 1:
+            raise ConfigError(f"experiment.memory_gb={exp.memory_gb} is more than this GPU's "
+                              f"{total / 2**30:.1f} GiB")
+        return f
+    return None if exp.memory_fraction is None else float(exp.memory_fraction)
+
+
+def _error_fields(exc: BaseException, fraction: float | None) -> dict:
+    if isinstance(exc, torch.OutOfMemoryError):
+        at = "memory_fraction=1 (the whole GPU)" if fraction is None else f"memory_fraction={fraction:.4g}"
+        return {"status": "error", "reason": f"out of memory at {at}"}
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return {"status": "error", "reason": (text[0] if text else type(exc).__name__)[:300]}
+
+
+def run(cfg, models, device: str, env: dict, out_dir: Path,
+        on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Measure every method of ``cfg.experiment.methods`` not stored yet; returns the rows written.
+
+    ``models`` is the model registry module (``build_model``, ``example_input``); ``env`` the
+    row environment (:func:`experiments.env.environment`). Rows go to ``out_dir/tensile.csv``.
+    """
+    exp = cfg.experiment
+    warmup, iters, repeats = protocol(cfg)
+    store = ResultStore(out_dir / "tensile.csv")
+    common = {"experiment": "tensile", "mode": setting(exp), "model": cfg.model.name,
+              "batch_size": cfg.batch_size, "warmup": warmup, "iters": iters}
+    done = store.done_keys(redo=cfg.redo, min_iters=iters)
+    methods = list(exp.methods)
+    todo = [m for m in methods
+            if row_key({**common, **env, "backend": method_label(m, exp)}) not in done]
+    if not todo:
+        log.info("already measured (redo=true to measure again): %s b=%s %s", cfg.model.name,
+                 cfg.batch_size, common["mode"])
+        return []
+    # Vanilla first (the reference of every row); tensile before capuchin when capuchin
+    # takes TENSILE's planned peak as its budget.
+    order = ["vanilla"] + [m for m in todo if m != "vanilla"]
+    fraction = _memory_fraction(exp, device)
+    if "capuchin" in order and exp.budget is None and fraction is None:
+        order.remove("capuchin")
+        if "tensile" not in order:
+            order.append("tensile")
+        order.insert(order.index("tensile") + 1, "capuchin")
+
+    classes = exp.num_classes or cfg.model.num_classes
+    x = models.example_input(cfg.model.name, cfg.batch_size, device,
+                             image_size=exp.image_size or cfg.model.image_size)
+    y = torch.randint(0, classes, (cfg.batch_size,), generator=torch.Generator().manual_seed(0))
+    batch = (x, y.to(device))
+
+    def build():
+        return _drop_aux_head(models.build_model(cfg.model.name, num_classes=classes)).to(device).train()
+
+    rows: list[dict] = []
+    ref: dict | None = None
+    tensile_peak: int | None = None
+    rates = machine_rates(device) if set(order) & set(SCHEDULED) else {}
+    for name in order:
+        _release(device)
+        opts: dict = {}
+        try:
+            opts = _method_opts(name, exp, device, fraction, tensile_peak, rates)
+            fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
+                                    fraction, bool(exp.cap_setup))
+        except Exception as exc:  # noqa: BLE001 - a failing method is a row, never a crash
+            if not isinstance(exc, torch.OutOfMemoryError):
+                log.exception("%s on %s failed", name, cfg.model.name)
+            fields = _error_fields(exc, fraction)
+        finally:
+            if fraction is not None:  # uncapped between methods (and for later jobs of a worker)
+                torch.cuda.set_per_process_memory_fraction(1.0)
+        _release(device)  # after the except block: the traceback held the method's tensors
+        extra = fields.setdefault("extra", {})
+        extra.update(memory_fraction=fraction,
+                     **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
+        if name == "vanilla":
+            ref = fields
+        if name == "tensile" and fields["status"] == "ok":
+            tensile_peak = int(extra["planned_peak_mb"] * MB)
+        if name not in todo:
+            continue
+        extra.update(derived_metrics(fields, ref))
+        if ref is not None and ref["status"] != "ok":
+            extra["vanilla_reason"] = ref["reason"]
+        row = store.append({**env, **common, **fields, "backend": method_label(name, exp)})
+        rows.append(row)
+        on_row(row)
+    return rows

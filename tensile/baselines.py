@@ -1,0 +1,303 @@
+"""Every way the TENSILE experiment runs one training step, behind one signature.
+
+    step = make_method("checkpoint", model, optimizer, loss_fn, (x, y))
+    loss = step((x, y))          # forward + loss + backward + optimizer.step()
+    step.stats()                 # method-specific numbers (TENSILE: its report)
+
+Methods (issue 6's baselines, measured in the same runs as TENSILE):
+
+* ``vanilla``: plain PyTorch (:func:`tensile.step.training_step`, which all methods share,
+  so they run the same step);
+* ``checkpoint``: ``torch.utils.checkpoint`` (non-reentrant) around each block of the
+  model (:func:`checkpoint_blocks` finds them);
+* ``save_on_cpu``: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: every tensor
+  saved for backward goes to (pinned) host memory;
+* ``sac``: selective activation checkpointing on the same blocks: outputs of convolutions
+  and matrix products are kept, everything else is recomputed;
+* ``compile_budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
+  (the min-cut partitioner recomputes until activations fit that fraction);
+* ``tensile``: :class:`tensile.Scheduler`;
+* ``vdnn``, ``vdnn_all``, ``capuchin``: the vDNN and Capuchin policies
+  (:mod:`tensile.policies`) on TENSILE's runtime.
+
+``make_method`` changes ``model`` in place for ``checkpoint`` and ``sac`` (block forwards
+are wrapped): give it a fresh model. Caveat of ``checkpoint`` and ``sac``: a BatchNorm
+layer recomputed in backward updates its running statistics a second time, as
+``torch.utils.checkpoint`` always does; parameters and gradients are exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+from .api import Scheduler
+from .policies import POLICIES
+from .step import training_step
+
+__all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS"]
+
+
+@dataclass
+class StepFn:
+    """One training step of a method: ``step(batch)`` returns the detached loss."""
+
+    name: str
+    run: Callable[[Sequence], torch.Tensor]
+    stats: Callable[[], dict] = field(default=lambda: {})
+
+    def __call__(self, batch: Sequence) -> torch.Tensor:
+        return self.run(batch)
+
+
+# --------------------------------------------------------------------------- blocks
+
+_LAYERS = (nn.modules.conv._ConvNd, nn.Linear)
+
+
+def _layers(m: nn.Module) -> int:
+    """Convolutions and linear layers in ``m``: the unit of "how big is this block"."""
+    return sum(isinstance(x, _LAYERS) for x in m.modules())
+
+
+def _is_leaf(m: nn.Module) -> bool:
+    return next(m.children(), None) is None
+
+
+@dataclass
+class LayerRuns:
+    """An ``nn.Sequential`` of plain layers cut into runs, each run checkpointed as a unit."""
+
+    seq: nn.Sequential
+    runs: list[list[nn.Module]]
+
+
+def checkpoint_blocks(model: nn.Module, layers_per_block: int | None = None
+                      ) -> list[nn.Module | LayerRuns]:
+    """The units to checkpoint: whole modules, or runs of layers of an ``nn.Sequential``.
+
+    Walks the module tree from the top: a child with at most ``layers_per_block``
+    conv/linear layers is one unit (a ResNet bottleneck, an Inception block, a DenseNet
+    layer); an ``nn.Sequential`` of plain layers (VGG's ``features``) is cut into runs of
+    that many layers, each run starting at a conv/linear layer so that no unit starts
+    with an in-place op on its input; any other larger child is searched further. Single
+    layers outside any unit stay as they are. The default size, ``round(sqrt(L))`` for
+    ``L`` layers in the model, is the classic sqrt(n) segmenting.
+    """
+    total = _layers(model)
+    if total == 0:
+        raise ValueError("the model has no conv or linear layers to checkpoint around")
+    if layers_per_block is not None and layers_per_block < 1:
+        raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
+    cap = layers_per_block or max(1, round(math.sqrt(total)))
+    units: list[nn.Module | LayerRuns] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            n = _layers(child)
+            if n == 0 or _is_leaf(child):
+                continue
+            if n <= cap:
+                units.append(child)
+            elif _is_chain(child):
+                units.append(LayerRuns(child, _runs(child, cap)))
+            else:
+                visit(child)
+
+    if _is_chain(model):
+        units.append(LayerRuns(model, _runs(model, cap)))
+    else:
+        visit(model)
+    return units
+
+
+def _is_chain(m: nn.Module) -> bool:
+    return isinstance(m, nn.Sequential) and all(_is_leaf(c) for c in m)
+
+
+def _runs(seq: nn.Sequential, cap: int) -> list[list[nn.Module]]:
+    """Consecutive layers of ``seq``, a new run starting at every ``cap``-th conv/linear."""
+    runs: list[list[nn.Module]] = [[]]
+    count = 0
+    for layer in seq:
+        if isinstance(layer, _LAYERS):
+            if count == cap:
+                runs.append([])
+                count = 0
+            count += 1
+        runs[-1].append(layer)
+    return runs
+
+
+def _wrap_blocks(model: nn.Module, context_fn: Callable | None,
+                 layers_per_block: int | None) -> int:
+    """Make every unit of :func:`checkpoint_blocks` run under ``checkpoint``; returns how many."""
+    kw = {"use_reentrant": False}
+    if context_fn is not None:
+        kw["context_fn"] = context_fn
+    count = 0
+    for u in checkpoint_blocks(model, layers_per_block):
+        # An instance attribute shadows the class's forward; module hooks still run.
+        if isinstance(u, LayerRuns):
+            def forward(x, _runs=u.runs):
+                for run in _runs:
+                    x = checkpoint(_run_layers, run, x, **kw)
+                return x
+            u.seq.forward = forward
+            count += len(u.runs)
+        else:
+            u.forward = _checkpointed(u.forward, kw)
+            count += 1
+    return count
+
+
+def _checkpointed(fn: Callable, kw: dict) -> Callable:
+    def forward(*args, **kwargs):
+        # Recomputation calls fn again with these very argument objects. DenseNet appends to
+        # the list of features it passed in right after the call: freeze lists as they are.
+        args = tuple(list(a) if isinstance(a, list) else a for a in args)
+        return checkpoint(fn, *args, **kw, **kwargs)
+    return forward
+
+
+def _run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+# Selective activation checkpointing: keep what is expensive to recompute.
+SAC_SAVE_OPS = frozenset({
+    torch.ops.aten.convolution.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+})
+
+
+def _sac_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# --------------------------------------------------------------------------- methods
+
+def _vanilla(model, optimizer, loss_fn, example_batch) -> StepFn:
+    return StepFn("vanilla", lambda b: training_step(model, optimizer, b, loss_fn))
+
+
+def _checkpoint(model, optimizer, loss_fn, example_batch, *,
+                layers_per_block: int | None = None) -> StepFn:
+    n = _wrap_blocks(model, None, layers_per_block)
+    return StepFn("checkpoint", lambda b: training_step(model, optimizer, b, loss_fn),
+                  lambda: {"blocks": n})
+
+
+def _sac(model, optimizer, loss_fn, example_batch, *,
+         layers_per_block: int | None = None) -> StepFn:
+    # SAC refuses in-place updates of an output it keeps (VGG's ReLU(inplace=True) right
+    # after each conv): activation modules of the model run out of place.
+    for m in model.modules():
+        if getattr(m, "inplace", False) is True:
+            m.inplace = False
+    ctx = functools.partial(create_selective_checkpoint_contexts, _sac_policy)
+    n = _wrap_blocks(model, ctx, layers_per_block)
+    return StepFn("sac", lambda b: training_step(model, optimizer, b, loss_fn),
+                  lambda: {"blocks": n})
+
+
+def _save_on_cpu(model, optimizer, loss_fn, example_batch, *,
+                 pin_memory: bool | None = None) -> StepFn:
+    cuda = next(model.parameters()).device.type == "cuda"
+    pin = cuda if pin_memory is None else pin_memory
+    if pin and not cuda:
+        raise ValueError("pin_memory=True needs a CUDA model (pinned memory is for copies to a GPU)")
+
+    def run(b):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+            return training_step(model, optimizer, b, loss_fn)
+    return StepFn("save_on_cpu", run, lambda: {"pin_memory": pin})
+
+
+def _compile_budget(model, optimizer, loss_fn, example_batch, *,
+                    activation_memory_budget: float = 0.5) -> StepFn:
+    b = activation_memory_budget
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+        raise ValueError(f"activation_memory_budget must be in [0, 1], got {b!r}")
+    compiled = torch.compile(model)
+
+    def run(batch):
+        # Read when the backward graph is partitioned, i.e. at (re)compilation inside a step.
+        with torch._functorch.config.patch(activation_memory_budget=float(b)):
+            return training_step(compiled, optimizer, batch, loss_fn)
+    return StepFn("compile_budget", run, lambda: {"activation_memory_budget": float(b)})
+
+
+def _scheduled(sched: Scheduler, name: str) -> StepFn:
+    return StepFn(name, lambda b: sched.step(*b), lambda: dataclasses.asdict(sched.report()))
+
+
+def _tensile(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
+             **scheduler_kwargs) -> StepFn:
+    sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, simulate=simulate,
+                      **scheduler_kwargs)
+    return _scheduled(sched, "tensile")
+
+
+def _policy(name: str):
+    def build(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
+              **scheduler_kwargs) -> StepFn:
+        if name == "capuchin" and budget is None:
+            raise ValueError("capuchin needs a budget (bytes, or a fraction of the GPU); the "
+                             "TENSILE authors gave it TENSILE's own planned peak")
+        sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, simulate=simulate,
+                          planner=POLICIES[name], **scheduler_kwargs)
+        return _scheduled(sched, name)
+    return build
+
+
+_BUILDERS: dict[str, Callable[..., StepFn]] = {
+    "vanilla": _vanilla,
+    "checkpoint": _checkpoint,
+    "save_on_cpu": _save_on_cpu,
+    "sac": _sac,
+    "compile_budget": _compile_budget,
+    "tensile": _tensile,
+    "vdnn": _policy("vdnn"),
+    "vdnn_all": _policy("vdnn_all"),
+    "capuchin": _policy("capuchin"),
+}
+METHODS: tuple[str, ...] = tuple(_BUILDERS)
+
+_SCHEDULER_OPTS = {n for n in inspect.signature(Scheduler.__init__).parameters
+                   if n not in ("self", "model", "optimizer", "example_batch", "loss_fn")}
+
+
+def make_method(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                loss_fn: Callable | None, example_batch: Sequence, **opts) -> StepFn:
+    """The training step of method ``name`` for this model (see the module docstring).
+
+    ``opts`` are the method's own options: ``layers_per_block`` (checkpoint, sac),
+    ``pin_memory`` (save_on_cpu), ``activation_memory_budget`` (compile_budget),
+    ``budget``, ``simulate`` and any :class:`tensile.Scheduler` keyword (tensile, vdnn,
+    vdnn_all, capuchin; capuchin needs a ``budget``).
+    """
+    build = _BUILDERS.get(name)
+    if build is None:
+        raise ValueError(f"unknown method {name!r}; valid: {', '.join(METHODS)}")
+    params = inspect.signature(build).parameters
+    allowed = {n for n, p in params.items() if p.kind == p.KEYWORD_ONLY}
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        allowed |= _SCHEDULER_OPTS
+    unknown = sorted(set(opts) - allowed)
+    if unknown:
+        raise ValueError(f"method {name!r} takes options {sorted(allowed) or 'none'}; "
+                         f"got unknown {unknown}")
+    return build(model, optimizer, loss_fn, example_batch, **opts)

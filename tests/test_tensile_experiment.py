@@ -1,0 +1,277 @@
+"""experiment=tensile through the Hydra app: rows, metrics against vanilla, errors, presets.
+
+A small CNN replaces the model zoo (``experiments.run._models``), so the app runs on CPU in
+seconds with timing=quick (the smoke setting: the tensile runtime simulates, memory is not
+measured).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from torch import nn
+
+from experiments import run, tensile_run
+from experiments.store import COLUMNS, read_rows
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MB = 2**20
+PAPER_MODELS = ["vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121"]
+
+
+def _compose(overrides=(), hydra_cfg=False):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def small_models():
+    """The model registry's interface with one small CNN, ``small``."""
+    def build_model(name, *, num_classes=None):
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True)),
+            nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)),
+            nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes or 10)).eval()
+
+    def example_input(name, batch_size, device="cpu", image_size=None, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(batch_size, 3, image_size, image_size, generator=g).to(device)
+
+    spec = SimpleNamespace(name="small", image_size=16, num_classes=10)
+    return SimpleNamespace(MODELS={"small": spec}, build_model=build_model,
+                           example_input=example_input)
+
+
+@pytest.fixture
+def small(monkeypatch):
+    monkeypatch.setattr(run, "_models", small_models)
+
+
+def _cfg(tmp_path, *overrides, device="cpu"):
+    return _compose(["experiment=tensile", f"device={device}", "timing=quick", "model.name=small",
+                     "experiment.image_size=16", "experiment.num_classes=10", "batch_size=4",
+                     f"results_dir={tmp_path}", *overrides])
+
+
+def _rows(tmp_path, gpu="cpu"):
+    rows = read_rows(tmp_path / gpu / "tensile.csv")
+    for r in rows:
+        r["extra"] = json.loads(r["extra"]) if r["extra"] else {}
+    return {r["backend"]: r for r in rows}
+
+
+# --------------------------------------------------------------------------- the runner
+
+def test_rows_carry_metrics_against_the_same_process_vanilla(small, tmp_path):
+    # capuchin is listed before tensile: it still runs after it and plans to its peak.
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,capuchin,checkpoint,tensile]")
+    written = run.run_config(cfg)
+    assert [r["backend"] for r in written] == ["vanilla", "checkpoint", "tensile", "capuchin"]
+    assert list(read_rows(tmp_path / "cpu" / "tensile.csv")[0]) == COLUMNS
+    rows = _rows(tmp_path)
+    van = rows["vanilla"]
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert (r["experiment"], r["mode"], r["warmup"], r["iters"]) == ("tensile", "whole-step", "3", "10")
+        ex = r["extra"]
+        assert ex["repeats"] == 1 and len(ex["repeat_mean_ms"]) == 1
+        assert ex["time_vanilla_ms"] == float(van["mean_ms"])
+        assert ex["eor"] == pytest.approx(float(r["mean_ms"]) / float(van["mean_ms"]) - 1)
+        # CPU: no GPU memory, so no MSR (never a made-up number)
+        assert r["peak_mem_mb"] == "" and ex["msr"] is None and ex["cbr"] is None
+    assert rows["vanilla"]["extra"]["eor"] == 0
+    assert rows["checkpoint"]["extra"]["blocks"] == 3
+    ten, cap = rows["tensile"]["extra"], rows["capuchin"]["extra"]
+    for ex in (ten, cap):
+        assert ex["passive_share"] == 0 and ex["bytes_moved_per_step"] > 0
+        assert ex["planner_ms"] > 0 and ex["replans"] >= 1 and ex["swaps_planned"] > 0
+        assert 0 < ex["msr_planned"] < 1
+    assert ten["budget"] is None and cap["budget"] == int(ten["planned_peak_mb"] * MB)
+
+
+def test_a_rerun_measures_only_what_is_missing(small, tmp_path):
+    assert len(run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,sac]"))) == 2
+    again = run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,sac,save_on_cpu]"))
+    assert [r["backend"] for r in again] == ["save_on_cpu"]
+    assert again[0]["extra"] and json.loads(again[0]["extra"])["time_vanilla_ms"] > 0
+    assert run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,sac,save_on_cpu]")) == []
+
+
+def test_capuchin_alone_gets_its_budget_from_an_unwritten_tensile_run(small, tmp_path):
+    rows = run.run_config(_cfg(tmp_path, "experiment.methods=[capuchin]"))
+    assert [r["backend"] for r in rows] == ["capuchin"] and rows[0]["status"] == "ok"
+    assert json.loads(rows[0]["extra"])["budget"] > 0
+
+
+def test_an_explicit_budget_is_in_the_rows_key_and_goes_to_tensile_and_capuchin(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[tensile,capuchin]", "experiment.budget=0.9"))
+    rows = _rows(tmp_path)
+    assert set(rows) == {"tensile", "capuchin"}
+    for r in rows.values():
+        assert r["mode"] == "whole-step,budget=0.9" and r["extra"]["budget"] == 0.9
+
+
+def test_out_of_memory_is_an_error_row_and_the_job_goes_on(small, tmp_path, monkeypatch):
+    real = tensile_run.make_method
+
+    def make_method(name, *args, **kwargs):
+        if name == "checkpoint":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if name == "sac":
+            raise RuntimeError("SAC broke\nsecond line")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(tensile_run, "make_method", make_method)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,sac,save_on_cpu]"))
+    rows = _rows(tmp_path)
+    assert rows["checkpoint"]["status"] == "error"
+    assert rows["checkpoint"]["reason"] == "out of memory at memory_fraction=1 (the whole GPU)"
+    assert rows["checkpoint"]["extra"]["eor"] is None
+    assert (rows["sac"]["status"], rows["sac"]["reason"]) == ("error", "RuntimeError: SAC broke")
+    assert rows["save_on_cpu"]["status"] == "ok" and rows["save_on_cpu"]["extra"]["eor"] is not None
+
+
+def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_path, monkeypatch):
+    real = tensile_run.make_method
+
+    def make_method(name, *args, **kwargs):
+        if name == "vanilla":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(tensile_run, "make_method", make_method)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,checkpoint]"))
+    ck = _rows(tmp_path)["checkpoint"]
+    assert ck["status"] == "ok" and ck["extra"]["eor"] is None
+    assert ck["extra"]["vanilla_reason"].startswith("out of memory at")
+
+
+# --------------------------------------------------------------------------- validation
+
+@pytest.mark.parametrize("overrides, match", [
+    (["experiment.methods=[vanilla,bogus]"], r"unknown method\(s\) \['bogus'\]; valid: vanilla, checkpoint"),
+    (["experiment.methods=[]"], "experiment.methods is empty"),
+    (["experiment.methods=[vanilla,vanilla]"], "lists a method twice"),
+    (["experiment.budget=1.5"], "budget must be null, a fraction in"),
+    (["experiment.budget=-3"], "budget must be null"),
+    (["experiment.memory_gb=16"], "need device=cuda"),
+    (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
+    (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
+    (["timing.warmup=1"], "need >= 2 warm-up steps"),
+    (["batch_size=0"], "batch_size must be a positive integer"),
+    (["model.name=nope"], "unknown model 'nope'; valid: small"),
+])
+def test_bad_configs_are_refused_before_anything_runs(small, tmp_path, overrides, match):
+    with pytest.raises(run.ConfigError, match=match):
+        run.validate(_cfg(tmp_path, *overrides))
+
+
+def test_cpu_runs_are_smoke_runs_only(small, tmp_path):
+    cfg = _compose(["experiment=tensile", "device=cpu", "model.name=small", f"results_dir={tmp_path}"])
+    with pytest.raises(run.ConfigError, match="add timing=quick"):
+        run.validate(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a host without CUDA")
+def test_cuda_on_a_cpu_host_says_how_to_smoke_test(small, tmp_path):
+    with pytest.raises(run.ConfigError, match="device=cpu timing=quick"):
+        run.validate(_cfg(tmp_path, device="cuda"))
+
+
+def test_both_memory_caps_are_refused(small, tmp_path):
+    cfg = _cfg(tmp_path, "experiment.memory_gb=16", "experiment.memory_fraction=0.5")
+    OmegaConf.update(cfg, "device.name", "cuda")
+    if torch.cuda.is_available():
+        with pytest.raises(run.ConfigError, match="not both"):
+            run.validate(cfg)
+    else:
+        with pytest.raises(run.ConfigError, match="no usable CUDA GPU"):
+            run.validate(cfg)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+def test_derived_metrics():
+    ref = {"status": "ok", "mean_ms": 100.0, "peak_mem_mb": 1000.0, "extra": {"peak_reserved_mb": 1200.0}}
+    row = {"status": "ok", "mean_ms": 125.0, "peak_mem_mb": 400.0, "extra": {"peak_reserved_mb": 600.0}}
+    m = tensile_run.derived_metrics(row, ref)
+    assert m["msr"] == pytest.approx(0.6) and m["msr_reserved"] == pytest.approx(0.5)
+    assert m["eor"] == pytest.approx(0.25) and m["cbr"] == pytest.approx(2.4)
+    assert m["cbr_reserved"] == pytest.approx(2.0)
+    vanilla = (m["peak_vanilla_mb"], m["peak_vanilla_reserved_mb"], m["time_vanilla_ms"])
+    assert vanilla == (1000.0, 1200.0, 100.0)
+    faster = tensile_run.derived_metrics({**row, "mean_ms": 90.0}, ref)
+    assert faster["eor"] == pytest.approx(-0.1) and faster["cbr"] is None  # unbounded: not a number
+    assert tensile_run.derived_metrics(row, None)["msr"] is None
+    assert tensile_run.derived_metrics(row, {**ref, "status": "error"})["eor"] is None
+
+
+def test_setting_and_label_name_what_changes_the_measurement():
+    exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
+                    "experiment.activation_memory_budget=0.3"]).experiment
+    assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5"
+    assert tensile_run.method_label("compile_budget", exp) == "compile_budget=0.3"
+    assert tensile_run.method_label("tensile", exp) == "tensile"
+    exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
+                    "experiment.cap_setup=false"]).experiment
+    assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"
+
+
+def test_inception_v3_loses_its_auxiliary_head():
+    model = nn.Module()
+    model.AuxLogits, model.aux_logits = nn.Linear(2, 2), True
+    assert tensile_run._drop_aux_head(model).AuxLogits is None and model.aux_logits is False
+    plain = nn.Linear(2, 2)
+    assert tensile_run._drop_aux_head(plain) is plain
+
+
+def test_protocol_is_tensiles_unless_quick():
+    assert tensile_run.protocol(_compose(["experiment=tensile"])) == (5, 50, 3)
+    assert tensile_run.protocol(_compose(["experiment=tensile", "timing=quick"])) == (3, 10, 1)
+
+
+def test_presets_cover_the_papers_workloads():
+    single = _compose(["+sweep=tensile_single"], hydra_cfg=True)
+    assert single.experiment.name == "tensile"
+    assert str(single.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    assert str(single.hydra.sweeper.params.batch_size) == "16"
+    assert (single.experiment.image_size, single.experiment.num_classes) == (224, 1000)
+    assert single.experiment.optimizer == "adam"
+    assert {"vanilla", "checkpoint", "save_on_cpu", "sac", "tensile", "vdnn", "capuchin"} <= \
+        set(single.experiment.methods)
+    batch = _compose(["+sweep=tensile_batch"], hydra_cfg=True)
+    assert str(batch.hydra.sweeper.params.batch_size) == "2,4,8,16,32"
+    assert str(batch.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
+    assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16,24,48,80"
+    for cfg in (single, batch, budget):
+        assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tmp_path):
+    from experiments.env import gpu_slug
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,tensile]", device="cuda")
+    run.run_config(cfg)
+    gpu = gpu_slug()
+    rows = _rows(tmp_path, gpu)
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert float(r["peak_mem_mb"]) > 0 and r["extra"]["msr"] is not None
+        assert r["extra"]["peak_reserved_mb"] >= float(r["peak_mem_mb"])
+    assert rows["vanilla"]["extra"]["msr"] == 0
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla]", "experiment.memory_fraction=1e-6",
+               device="cuda")
+    run.run_config(cfg)
+    capped = [r for r in read_rows(tmp_path / gpu / "tensile.csv") if "memfrac" in r["mode"]]
+    assert capped[0]["status"] == "error"
+    assert capped[0]["reason"].startswith("out of memory at memory_fraction=1e-06")
