@@ -28,7 +28,7 @@ __all__ = [
     "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
-    "write_report", "main",
+    "write_report", "main", "tensile_metrics", "tensile_verdicts",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +244,53 @@ def claim_verdicts(df: pd.DataFrame, claims: pd.DataFrame) -> pd.DataFrame:
 
 # --------------------------------------------------------------------------- plots
 
+# PyTorch's own memory savers, for TENSILE's "1.2x the best built-in at equal memory" target.
+BUILTIN_MEMORY_METHODS = ["checkpoint", "sac", "save_on_cpu", "compile_budget"]
+
+
+def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
+    """One line per full-protocol ok TENSILE-experiment row: model, batch, mode, method and
+    the MSR / EOR / CBR / passive-share figures from its ``extra`` JSON."""
+    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
+    out = []
+    for _, r in rows.iterrows():
+        extra = json.loads(r["extra"]) if r["extra"] else {}
+        out.append({"model": r["model"], "batch_size": r["batch_size"], "mode": r["mode"],
+                    "method": r["backend"], "mean_ms": r["mean_ms"], "peak_mem_mb": r["peak_mem_mb"],
+                    **{k: extra.get(k) for k in ("msr", "msr_reserved", "eor", "cbr",
+                                                 "passive_share", "planner_ms")}})
+    return pd.DataFrame(out, columns=["model", "batch_size", "mode", "method", "mean_ms", "peak_mem_mb",
+                                      "msr", "msr_reserved", "eor", "cbr", "passive_share", "planner_ms"])
+
+
+def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """Per paper model: our TENSILE MSR/EOR at the paper's batch beside the authors', the
+    verdict (MSR at least theirs and EOR at most half theirs), and the throughput ratio over
+    the fastest PyTorch built-in whose peak is no higher than TENSILE's."""
+    lines = []
+    for _, p in paper.iterrows():
+        mine = metrics[(metrics["model"] == p["model"]) & (metrics["batch_size"] == p["batch_size"])
+                       & (metrics["mode"] == "whole-step")]
+        ours = mine[mine["method"] == "tensile"]
+        line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
+                "paper EOR": p["eor"], "MSR": None, "EOR": None, "verdict": "not measured",
+                "vs best built-in": ""}
+        if len(ours) and ours.iloc[0]["msr"] is not None and ours.iloc[0]["eor"] is not None:
+            t = ours.iloc[0]
+            line.update({"MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
+            ok = t["msr"] >= p["msr"] and t["eor"] <= p["eor"] / 2
+            line["verdict"] = "reproduced" if ok else "not reproduced"
+            builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
+                            & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
+            if len(builtins):
+                best = builtins.loc[builtins["mean_ms"].idxmin()]
+                line["vs best built-in"] = f"{best['mean_ms'] / t['mean_ms']:.2f}x ({best['method']})"
+            else:
+                line["vs best built-in"] = "no built-in reaches TENSILE's peak"
+        lines.append(line)
+    return pd.DataFrame(lines)
+
+
 def _prefer_full(sp: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Full-protocol rows if there are any, else the smoke rows (and say so in the title)."""
     full = sp[~sp["smoke"]]
@@ -449,6 +496,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     figures: dict[str, Figure | None] = {}
     for exp, mode, batch in settings(df):
+        if exp == "tensile":          # memory experiment: its own section below
+            continue
         md += [f"## {exp} ({mode}), batch {batch}", "", "Median latency in ms (p10–p90):", "",
                md_table(latency_table(df, exp, mode, batch)), "", "Speedup over eager:", "",
                md_table(speedup_table(df, exp, mode, batch)), ""]
@@ -463,6 +512,18 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         figures["training_speedup.png"] = plot_training_speedup(df)
     if len(df):
         figures["multistream_ablation.png"] = plot_multistream(df)
+
+    if (df["experiment"] == "tensile").any():
+        metrics = tensile_metrics(df)
+        md += ["## TENSILE: memory saving (MSR) and extra time (EOR) per method", "",
+               "MSR = 1 − peak/peak_vanilla (allocated); EOR = time/time_vanilla − 1; vanilla measured "
+               "in the same process.", "", md_table(metrics.round(3)), ""]
+        paper_tensile = _read_csv(paper_dir / "tensile_single_b16.csv")
+        if paper_tensile is not None:
+            md += ["### Against the TENSILE authors' single-job figures", "",
+                   "Target: MSR at least the authors', EOR at most half of theirs, and at least 1.2x the "
+                   "throughput of the fastest PyTorch built-in whose peak is no higher.", "",
+                   md_table(tensile_verdicts(metrics, paper_tensile)), ""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

@@ -170,3 +170,29 @@ def test_smoke_rule_follows_each_experiments_protocol():
     df = pd.DataFrame({"experiment": ["tensile", "inference", "tensile"], "device": ["cuda"] * 3,
                        "warmup": [5, 5, 5], "iters": [50, 50, 10]})
     assert report._is_smoke(df).tolist() == [False, True, True]
+
+
+def _tensile_row(store, method, mean_ms, peak_mb, msr, eor, model="resnet50", iters=50):
+    store.append(dict(experiment="tensile", mode="whole-step", model=model, backend=method,
+                      batch_size=16, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5,
+                      iters=iters, mean_ms=mean_ms, median_ms=mean_ms, peak_mem_mb=peak_mb,
+                      extra={"msr": msr, "eor": eor}))
+
+
+def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    _tensile_row(store, "vanilla", 100.0, 1000.0, 0.0, 0.0)
+    _tensile_row(store, "tensile", 120.0, 300.0, 0.70, 0.20)       # paper: MSR .671, EOR .609
+    _tensile_row(store, "checkpoint", 160.0, 290.0, 0.71, 0.60)    # lower peak, slower
+    _tensile_row(store, "sac", 110.0, 400.0, 0.60, 0.10)           # faster, but more memory
+    _tensile_row(store, "tensile", 130.0, 600.0, 0.40, 0.30, model="vgg16")  # paper MSR .326 EOR .263
+    df = report.load_rows(tmp_path / "h200")
+    v = report.tensile_verdicts(report.tensile_metrics(df),
+                                pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")).set_index("model")
+    assert v.loc["resnet50", "verdict"] == "reproduced"
+    assert v.loc["resnet50", "vs best built-in"] == "1.33x (checkpoint)"
+    assert v.loc["vgg16", "verdict"] == "not reproduced"          # EOR .30 > .263 / 2
+    assert v.loc["densenet121", "verdict"] == "not measured"
+    text = report.write_report(tmp_path / "h200").read_text()
+    assert "## TENSILE" in text and "Speedup over eager" not in text
