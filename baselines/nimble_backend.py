@@ -38,6 +38,8 @@ class NimbleBackend(Backend):
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
 
+        if not training:
+            fn.analyze = lambda median_ms: distance_to_limit(fast, median_ms)
         return _with_stats(fn, fast)
 
     def prepare_step(self, model: nn.Module, example_inputs: tuple[Tensor, Tensor],
@@ -55,6 +57,15 @@ class NimbleBackend(Backend):
             return step((inputs,), target)
 
         return _with_stats(fn, fast)
+
+
+def distance_to_limit(fast, median_ms: float) -> dict:
+    """The latency limit of this graph: the single-stream GPU time of the ops along the
+    heaviest dependency path, and how far the measured latency is above it."""
+    times = fast.op_times_ms()
+    critical = fast.critical_path_ms(times)
+    return {"critical_path_ms": round(critical, 4), "kernel_sum_ms": round(sum(times), 4),
+            "over_critical_path": round(median_ms / critical, 3) if critical > 0 else None}
 
 
 def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:

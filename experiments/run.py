@@ -203,6 +203,18 @@ def _extra_of(fn: Any) -> dict:
     return dict(extra) if isinstance(extra, dict) else {}
 
 
+def _analysis_of(fn: Any, median_ms: float) -> dict:
+    """Metrics a backend computes after timing, via ``fn.analyze(median_ms) -> dict`` (Nimble:
+    the critical-path kernel time, the distance to the limit). A failure is noted, not raised."""
+    analyze = getattr(fn, "analyze", None)
+    if not callable(analyze):
+        return {}
+    try:
+        return dict(analyze(median_ms))
+    except Exception as e:  # noqa: BLE001 - an analysis must never sink a measured row
+        return {"analysis_error": f"{type(e).__name__}: {e}"[:200]}
+
+
 def _release(device: str) -> None:
     gc.collect()
     if "torch._dynamo" in sys.modules:  # compiled backends: drop caches between backends
@@ -309,6 +321,7 @@ def measure_backend(name: str, model: torch.nn.Module, inputs: tuple, cfg: DictC
                                   f"check_tol {cfg.experiment.check_tol}"}
         t = measure(fn, inputs, warmup=cfg.timing.warmup, iters=cfg.timing.iters, device=device)
         peak = peak_memory(fn, inputs, device)
+        extra.update(_analysis_of(fn, t.median_ms))
         if cfg.trace and device == "cuda":
             write_trace(fn, inputs, out_dir / f"trace_{cfg.model.name}_{name}.json")
     ms = lambda v: round(v, 4)  # noqa: E731 - 0.1 us, below CUDA event resolution

@@ -486,3 +486,13 @@ def test_cli_joblib_launcher_runs_jobs_in_parallel_workers(tmp_path):
     rows = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
     assert sorted(r["batch_size"] for r in rows) == ["1", "2", "3"]
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_backend_analysis_goes_into_extra_and_never_sinks_a_row():
+    def fn():
+        pass
+    assert run._analysis_of(fn, 1.0) == {}
+    fn.analyze = lambda median_ms: {"over_critical_path": median_ms / 0.5}
+    assert run._analysis_of(fn, 1.0) == {"over_critical_path": 2.0}
+    fn.analyze = lambda median_ms: 1 / 0
+    assert "ZeroDivisionError" in run._analysis_of(fn, 1.0)["analysis_error"]
