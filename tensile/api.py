@@ -14,18 +14,28 @@ Lifecycle (TENSILE's cold start and re-planning, reference §3.3):
 3. the first steady step is timed op by op (CUDA events), the estimates are updated by
    EWMA and the job is re-planned; afterwards only the iteration time is watched, and a
    drift of more than 30 % triggers another timed step and re-plan.
+
+Several jobs on one GPU (reference §3.6): start ``python -m tensile.server`` once and
+give every job ``scheduler_socket=``. The job then registers its access timeline with
+the scheduler process, reports every iteration time (and the op times of its timed
+steps) and runs its part of one joint plan, switched between steps only. Without a
+plan (scheduler unreachable, killed, not answered yet) the job trains vanilla and keeps
+trying to re-register; no step is lost or changed by it (see :mod:`tensile.client`).
 """
 from __future__ import annotations
 
-import functools
-
 import copy
+import functools
+import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from .client import SchedulerError, TensileClient
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
 from .plan import Plan
 from .planner import plan as make_plan
@@ -36,13 +46,18 @@ from .timeline import AccessTimeline
 
 __all__ = ["Scheduler", "SchedulerReport", "resolve_budget"]
 
+log = logging.getLogger("tensile.api")
+
+# Without an iteration time to report, contact the scheduler at most this often (s).
+_HEARTBEAT_S = 1.0
+
 
 @dataclass
 class SchedulerReport:
     """What the scheduler did so far (``str()`` gives a readable block)."""
 
     steps: int
-    replans: int
+    replans: int          # local re-plans (0 with a scheduler process: see plans_received)
     drift_events: int
     planner_ms_total: float
     planner_ms_last: float
@@ -63,10 +78,24 @@ class SchedulerReport:
     ineffective_releases: int
     host_pool_bytes: int
     stall_ms: float
+    # With a scheduler process (``scheduler_socket``); ``None`` when planning locally.
+    scheduler_socket: str | None = None
+    connected: bool | None = None
+    job_id: str | None = None
+    plan_version: int | None = None   # the scheduler's version of the plan now running
+    plan_reason: str | None = None    # why the scheduler made it
+    plans_received: int = 0           # plan switches ordered by the scheduler
 
     def __str__(self) -> str:
         mib = 1 << 20
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.1f} MiB"
+        lines = []
+        if self.scheduler_socket is not None:
+            state = "connected" if self.connected else "not connected (running vanilla)"
+            version = "none" if self.plan_version is None or self.plan_version < 0 \
+                else f"v{self.plan_version} ({self.plan_reason})"
+            lines.append(f"  scheduler {self.scheduler_socket}: {state}, job {self.job_id}, "
+                         f"plan {version}, {self.plans_received} plans taken")
         return "\n".join([
             f"TENSILE after {self.steps} steps: {self.replans} re-plans "
             f"({self.drift_events} on drift), planner {self.planner_ms_total:.1f} ms total",
@@ -80,6 +109,7 @@ class SchedulerReport:
             f"  moved {self.bytes_d2h / mib:.1f} MiB D2H, {self.bytes_h2d / mib:.1f} MiB H2D; "
             f"ineffective releases {self.ineffective_releases}; "
             f"compute waited {self.stall_ms:.2f} ms for copy-ins (timed steps)",
+            *lines,
         ])
 
 
@@ -117,6 +147,22 @@ class Scheduler:
     extra simulated time. Rates and bandwidths are measured unless given.
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
+
+    ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
+    scheduler process listening there (``python -m tensile.server --socket PATH``)
+    instead of locally. The memory budget is then the server's ``--budget`` for all jobs
+    together, so ``budget`` (and a custom ``planner``) must be left out. ``job_id``
+    names the job (``None``: the scheduler picks one); ``weight`` (> 0) is its priority
+    (higher keeps more resident); ``client_kwargs`` go to :class:`TensileClient`
+    (``timeout_s``, ``register_timeout_s``, ``retry_s``). Construction waits for the
+    cold-start plan (at most ``register_timeout_s``); when no plan comes the job runs
+    vanilla until one does; a refusal (an error reply, e.g. the scheduler's planner
+    failed) raises :class:`SchedulerError` here, while during training it only logs a
+    warning and the job trains on. The scheduler drops a job silent for its
+    ``--heartbeat-timeout`` (default 60 s): every step reports, so set it above the
+    longest step, or call :meth:`heartbeat` during long pauses between steps (a dropped
+    job runs vanilla and re-registers by itself). Call :meth:`close` (or use ``with``)
+    to leave the scheduler.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -127,10 +173,22 @@ class Scheduler:
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = 0.01,
-                 replan: bool = True, planner: Callable[..., Plan] | None = None) -> None:
+                 replan: bool = True, planner: Callable[..., Plan] | None = None,
+                 scheduler_socket: str | os.PathLike | None = None, job_id: str | None = None,
+                 weight: float = 1.0, client_kwargs: dict | None = None) -> None:
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
+        if scheduler_socket is not None and budget is not None:
+            raise ValueError(f"budget={budget!r} with scheduler_socket: the scheduler process "
+                             "plans all its jobs against one budget, its --budget; leave "
+                             "budget=None (or drop scheduler_socket to plan locally)")
+        if scheduler_socket is not None and planner is not None:
+            raise ValueError("planner= with scheduler_socket: the scheduler process does the "
+                             "planning; leave planner=None (or drop scheduler_socket)")
+        if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
+            raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
+                             "give scheduler_socket too")
         self.device = params[0].device
         self.simulate = self.device.type != "cuda" if simulate is None else simulate
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
@@ -163,10 +221,22 @@ class Scheduler:
         self.replans = 0
         self.drift_events = 0
         self.planner_ms_total = 0.0
-        self.plan = self._plan()  # cold start: estimated op times only
+        self.client: TensileClient | None = None
+        self.plans_received = 0
+        # cold start: estimated op times only (the scheduler's plan, if any, comes below)
+        self.plan = self._plan() if scheduler_socket is None else self._vanilla_plan()
         self.runner = PlanRunner(self.recording, model, optimizer, loss_fn, self.plan,
                                  simulate=self.simulate)
         self._measure_next = replan
+        if scheduler_socket is not None:  # registered last: nothing after it can fail
+            self.client = TensileClient(
+                scheduler_socket, job_id, weight, **(client_kwargs or {}),
+                options={"allow_recompute": allow_recompute,
+                         "allow_cross_iteration": allow_cross_iteration,
+                         "min_swap_bytes": self.min_bytes})
+            self._server_plan: Plan | None = None
+            self._last_contact = time.monotonic()
+            self._take(self.client.register(self.timeline, bandwidths=(self.d2h_bw, self.h2d_bw)))
 
     # ------------------------------------------------------------------ public
     @property
@@ -182,19 +252,51 @@ class Scheduler:
                              "batch needs the example's shapes, dtypes and devices")
         init = self._init_pending
         measure = self._measure_next and not init
+        start_s = time.monotonic()
         res = self.runner.step(batch, measure_ops=measure, init_step=init)
         self._init_pending = False
         if res.op_ms is not None:
             self.times.update(res.op_ms)
             self._measure_next = False
-            self.plan = self._plan()
-            self.runner.set_plan(self.plan)
-            self.replans += 1
+            if self.client is None:
+                self.plan = self._plan()
+                self.runner.set_plan(self.plan)
+                self.replans += 1
         elif (self.replan_enabled and not init and res.iter_ms is not None
               and self.times.drifted(res.iter_ms)):
+            # With a scheduler process this only times the next step's ops; the
+            # scheduler re-plans on its own drift test of the reported iteration times.
             self.drift_events += 1
             self._measure_next = True
+        if self.client is not None:
+            self._talk_to_scheduler(res.iter_ms if not init else None, res.op_ms, start_s)
         return res.loss
+
+    def heartbeat(self) -> None:
+        """Tell the scheduler process the job is alive (during long pauses between steps).
+
+        Also takes a plan the scheduler pushed meanwhile. No-op when planning locally.
+        """
+        if self.client is not None:
+            self._ask(self.client.heartbeat)
+            self._last_contact = time.monotonic()
+
+    def close(self) -> None:
+        """Leave the scheduler process (the other jobs are re-planned) and run vanilla.
+
+        Every parameter is back on the device afterwards. Planning locally, only that.
+        Later :meth:`step` calls still train, without a plan when a scheduler was used.
+        """
+        if self.client is not None:
+            self.client.close()
+            self._take(None)
+        self.restore_parameters()
+
+    def __enter__(self) -> "Scheduler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def restore_parameters(self) -> None:
         """Keep parameters and optimizer state on the device from now on.
@@ -217,9 +319,74 @@ class Scheduler:
             swap_ins=s.swap_ins, passive_swap_ins=s.passive_swap_ins,
             passive_share=s.passive_share, recomputes=s.recomputes, bytes_d2h=s.bytes_d2h,
             bytes_h2d=s.bytes_h2d, ineffective_releases=s.ineffective_releases,
-            host_pool_bytes=s.host_pool_bytes, stall_ms=s.stall_ms)
+            host_pool_bytes=s.host_pool_bytes, stall_ms=s.stall_ms,
+            **self._server_fields())
 
     # ------------------------------------------------------------------ internals
+    def _talk_to_scheduler(self, iter_ms: float | None, op_ms: list[float] | None,
+                           start_s: float) -> None:
+        """Report the finished step and switch to the plan the scheduler sends, if new."""
+        c = self.client
+        now = time.monotonic()
+        if iter_ms is not None and iter_ms > 0:
+            # op_ms only with its own step's iter_ms (a timed step reports both). On the
+            # GPU an untimed step's iter_ms is the previous step's; start_s still serves
+            # the scheduler, which uses iteration starts modulo the period (the phase).
+            self._ask(functools.partial(c.report, iter_ms, op_ms, iter_start_s=start_s))
+        elif now - self._last_contact >= _HEARTBEAT_S:
+            # No iteration time (init step; on the GPU the last one may not be done yet):
+            # a heartbeat keeps the job registered and picks up pushed plans.
+            self._ask(c.heartbeat)
+        else:
+            return
+        self._last_contact = now
+
+    def _ask(self, call: Callable[[], Plan | None]) -> None:
+        """Make one client call and take the plan it returns.
+
+        The client returns ``None`` on connection faults by itself; an error *reply*
+        (e.g. the scheduler's planner failed on our re-registration) must not stop
+        training either: the job keeps the plan the client holds and trains on.
+        """
+        try:
+            plan = call()
+        except SchedulerError as e:
+            log.warning("TENSILE scheduler error (%s); training on with %s", e,
+                        "its last plan" if self.client.plan is not None else "no plan")
+            plan = self.client.plan
+        self._take(plan)
+
+    def _take(self, plan: Plan | None) -> None:
+        """Run ``plan`` (``None``: vanilla) from the next step on, if it is a new one."""
+        if plan is self._server_plan:  # the client keeps the object while nothing changed
+            return
+        self._server_plan = plan
+        self.plan = plan if plan is not None else self._vanilla_plan()
+        try:
+            self.runner.set_plan(self.plan)  # between steps: parameters come back first
+        except ValueError as e:  # does not fit the recording: a scheduler bug, never run it
+            log.error("TENSILE scheduler sent a plan this job cannot run (%s); running vanilla", e)
+            self.plan = self._vanilla_plan()
+            self.runner.set_plan(self.plan)
+            return
+        self.plans_received += plan is not None
+
+    def _vanilla_plan(self) -> Plan:
+        """No swaps, no recomputation: what runs while the scheduler has no plan for us."""
+        tl = self.timeline
+        peak = int(tl.vanilla_curve().max())
+        return Plan(num_ops=tl.num_ops, budget_bytes=None, d2h_bytes_per_s=self.d2h_bw,
+                    h2d_bytes_per_s=self.h2d_bw, peak_before=peak, peak_after=peak,
+                    iteration_ms=float(sum(tl.op_ms)))
+
+    def _server_fields(self) -> dict:
+        c = self.client
+        if c is None:
+            return {}
+        return dict(scheduler_socket=str(c.socket_path), connected=c.connected,
+                    job_id=c.job_id, plan_version=c.version if c.version >= 0 else None,
+                    plan_reason=c.reason, plans_received=self.plans_received)
+
     def _plan(self) -> Plan:
         p = self.planner(self.timeline, budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw,
                          h2d_bw=self.h2d_bw, copy_latency_ms=self.copy_latency_ms,
