@@ -22,13 +22,14 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from . import server
 
 __all__ = ["main"]
 
@@ -100,27 +101,10 @@ class _Job:
         self.killed_at: int | None = None
 
 
-def _listening(path: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
 def _start_server(path: Path, log: Path, env: dict, deadline: float | None) -> subprocess.Popen:
     """Start ``python -m tensile.server``; wait until it listens unless ``deadline`` is None."""
-    with open(log, "a") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "tensile.server", "--socket", str(path)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)
-    while deadline is not None and not _listening(path):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the scheduler did not come up; see {log}:\n{log.read_text()}")
-        time.sleep(0.1)
-    return proc
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return server.spawn(path, log=log, env=env, timeout_s=timeout)
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:

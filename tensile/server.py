@@ -26,6 +26,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -408,6 +410,40 @@ def _bind_unix(path: Path) -> socket.socket:
     sock.listen(64)
     sock.setblocking(False)
     return sock
+
+
+def is_listening(path: str | Path) -> bool:
+    """Whether a scheduler accepts connections on the Unix socket ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def spawn(path: str | Path, *args: str, log: Path | None = None, env: dict | None = None,
+          timeout_s: float | None = 60.0) -> subprocess.Popen:
+    """Start ``python -m tensile.server --socket path *args`` in a new process and wait until
+    it listens (``timeout_s=None``: don't wait). Raises RuntimeError if it exits or times out."""
+    out = open(log, "a") if log is not None else None
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "tensile.server", "--socket", str(path), *args],
+                                stdout=out, stderr=subprocess.STDOUT if out else None,
+                                env=env, cwd=Path(__file__).resolve().parent.parent)
+    finally:
+        if out is not None:
+            out.close()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while deadline is not None and not is_listening(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            detail = f"; see {log}:\n{Path(log).read_text()}" if log is not None else ""
+            raise RuntimeError(f"the scheduler did not come up (exit code {proc.poll()}){detail}")
+        time.sleep(0.1)
+    return proc
 
 
 def _parse_bytes(text: str) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import tensile
+from tensile import server as server_mod
 from tensile.step import training_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,25 +88,7 @@ def wait_until(cond, timeout: float = 10.0, every: float = 0.05) -> bool:
 
 def spawn_server(path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "tensile.server", "--socket", str(path),
-                             "--log-level", "WARNING"], env=env, cwd=REPO)
-
-    def listening() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the scheduler exited with {proc.returncode}")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(str(path))
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
-    if not wait_until(listening, timeout=60, every=0.1):
-        proc.kill()
-        raise AssertionError("the scheduler did not come up")
-    return proc
+    return server_mod.spawn(path, "--log-level", "WARNING", env=env)
 
 
 def kill(proc: subprocess.Popen) -> None:

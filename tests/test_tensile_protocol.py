@@ -427,20 +427,7 @@ def test_a_second_scheduler_on_a_live_socket_is_refused(start_server, sock_dir):
 # --------------------------------------------------------------------------- server process
 def spawn_server(path: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "tensile.server", "--socket", str(path),
-                             "--log-level", "WARNING", *extra], env=env, cwd=REPO)
-
-    def listening() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"the scheduler exited with {proc.returncode}")
-        try:
-            raw(path).close()
-            return True
-        except OSError:
-            return False
-
-    assert wait_until(listening, timeout=60, every=0.1), "the scheduler did not come up"
-    return proc
+    return server_mod.spawn(path, "--log-level", "WARNING", *extra, env=env)
 
 
 def stop(proc: subprocess.Popen) -> None:
