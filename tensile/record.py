@@ -10,7 +10,13 @@ three more facts, so it records its own step with the same conventions:
 * **saved**: the storages autograd saved for backward (seen by a pack hook). Only those
   can be moved by the runtime between forward and backward;
 * **needed_by**: for each parameter, the op before which its module's forward
-  pre-hook runs; that is where the runtime puts a swapped parameter back.
+  pre-hook runs; that is where the runtime puts a swapped parameter back;
+* **anchors**: events the runtime sees without intercepting ops, in order, each with
+  the number of ops done before it (:class:`Anchor`): every tensor autograd saves (pack
+  hook) or unpacks (unpack hook), every module call (forward pre- and post-hook), every
+  backward node about to run (node pre-hook; nodes are numbered breadth-first from the
+  loss), and every phase change. The runtime acts there and intercepts ops only where
+  an action needs the op itself.
 
 Storage ids are handed out in order of first sight; a storage is identified by a weak
 reference to its ``StorageImpl`` (views and in-place ops share their base's id).
@@ -32,12 +38,22 @@ from nimble.trace import StorageDependencies, estimate_flops, mutated_args
 from .step import split_batch, training_step
 from .timeline import AccessTimeline
 
-__all__ = ["Recording", "record_step", "device_tensors", "is_counted", "op_name"]
+__all__ = ["Anchor", "Recording", "record_step", "autograd_nodes", "device_tensors", "is_counted",
+           "op_name"]
+
+
+_COUNTED: dict = {}
 
 
 def is_counted(func) -> bool:
-    """Ops that become graph nodes: not views/aliases, not profiler markers (no GPU work)."""
-    return not func.is_view and func.namespace != "profiler"
+    """Ops that become graph nodes: not views/aliases, not profiler markers (no GPU work).
+
+    Cached per op: the runtime asks for every op it intercepts.
+    """
+    counted = _COUNTED.get(func)
+    if counted is None:
+        counted = _COUNTED[func] = not func.is_view and func.namespace != "profiler"
+    return counted
 
 
 _NAMES: dict = {}
@@ -64,6 +80,21 @@ def device_tensors(tree, device_type: str) -> list[torch.Tensor]:
     return out
 
 
+def autograd_nodes(loss: torch.Tensor) -> list:
+    """The backward graph's nodes, breadth-first from ``loss.grad_fn`` (a stable numbering:
+    the same forward builds the same graph)."""
+    root = loss.grad_fn
+    if root is None:
+        return []
+    order, seen = [root], {root}
+    for node in order:  # the list grows while we walk it
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                order.append(nxt)
+    return order
+
+
 class StorageIds:
     """Live storage → small integer id, weakly held (a dead storage never matches)."""
 
@@ -88,6 +119,22 @@ class StorageIds:
         return sid, True
 
 
+@dataclass(frozen=True)
+class Anchor:
+    """One event of the recorded step that hooks see (no op interception needed).
+
+    ``key`` says how the runtime recognises it in a later step: ``("pack", i)`` and
+    ``("unpack", i)`` for the i-th pack / unpack hook call of the step, ``("pre", m, i)``
+    and ``("post", m, i)`` for the i-th call of module ``m`` (index into
+    ``model.modules()``), ``("node", b)`` for backward node ``b`` about to run.
+    """
+
+    key: tuple
+    ops: int          # ops done before the event
+    phase: str
+    sids: tuple = ()  # pack: the saved tensor's storage id; post: the module's outputs'
+
+
 @dataclass
 class Recording:
     """One recorded training step (see the module docstring)."""
@@ -102,6 +149,11 @@ class Recording:
     param_names: dict[int, str] = field(default_factory=dict)     # sid -> parameter name
     opt_state_keys: dict[int, tuple[int, str]] = field(default_factory=dict)  # sid -> (param index, key)
     device_type: str = "cpu"
+    funcs: list = field(default_factory=list)            # the OpOverload of every op
+    anchors: list[Anchor] = field(default_factory=list)  # in the order they happened
+    boundaries: list[tuple[str | None, int, int, int]] = field(default_factory=list)
+    # ^ per phase change: (new phase, ops done, pack calls done, unpack calls done)
+    grad_nodes: list[str] = field(default_factory=list)  # backward nodes' names, breadth-first
 
     def timeline(self, op_ms: Sequence[float]) -> AccessTimeline:
         """The access timeline of this step with the given op durations."""
@@ -124,6 +176,7 @@ class _Recorder(TorchDispatchMode):
         self.nodes: list[OpNode] = []
         self.arg_sids: list[list[int]] = []
         self.out_sids: list[list[int]] = []
+        self.funcs: list = []
         self.first_read: set[int] = set()  # storages whose first access is a read
         self.random_ops: set[int] = set()  # ops that draw random numbers
         self.deps = StorageDependencies()
@@ -159,6 +212,7 @@ class _Recorder(TorchDispatchMode):
             self.random_ops.add(k)
         self.arg_sids.append(arg_ids)
         self.out_sids.append(out_ids)
+        self.funcs.append(func)
         return out
 
 
@@ -181,27 +235,60 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     rec = _Recorder(device_type)
     saved: set[int] = set()
     prehook_at: dict[int, int] = {}  # id(param) -> op index when its module's pre-hook ran
+    anchors: list[Anchor] = []
+    calls: dict[tuple, int] = {}  # ("pack",), ("unpack",), ("pre", m), ("post", m) -> calls
+    boundaries: list[tuple[str | None, int, int, int]] = []
+    grad_nodes: list[str] = []
+
+    def anchor(kind: tuple, sids: tuple = ()) -> None:
+        n = calls.get(kind, 0)
+        calls[kind] = n + 1
+        anchors.append(Anchor(kind + (n,), len(rec.nodes), rec.phase, sids))
 
     def pack(t: torch.Tensor):
+        sid = None
         if t.device.type == device_type and t.layout == torch.strided:
             sid = rec.ids.lookup(t)
             if sid is not None:
                 saved.add(sid)
+        anchor(("pack",), (sid,))
         return t
 
-    def pre_hook(module: nn.Module, _inputs) -> None:
+    def unpack(t: torch.Tensor):
+        anchor(("unpack",))
+        return t
+
+    def pre_hook(module: nn.Module, m: int) -> None:
+        anchor(("pre", m))
         for p in module._parameters.values():
             if p is not None and id(p) not in prehook_at:
                 prehook_at[id(p)] = len(rec.nodes)
 
+    def post_hook(output, m: int) -> None:
+        anchor(("post", m), tuple(rec.ids.lookup(t) for t in device_tensors(output, device_type)))
+
     def on_phase(phase: str | None) -> None:
+        packs, unpacks = calls.get(("pack",), 0), calls.get(("unpack",), 0)
+        boundaries.append((phase, len(rec.nodes), packs, unpacks))
         if phase is not None:
             rec.phase = phase
 
-    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
+    def on_backward(loss: torch.Tensor) -> None:
+        for b, node in enumerate(autograd_nodes(loss)):
+            grad_nodes.append(node.name())
+            node.register_prehook(lambda _grads, b=b: anchors.append(
+                Anchor(("node", b), len(rec.nodes), rec.phase)))
+
+    handles = []
+    for m, module in enumerate(model.modules()):
+        handles.append(module.register_forward_pre_hook(
+            lambda mod, _args, m=m: pre_hook(mod, m)))
+        handles.append(module.register_forward_hook(
+            lambda _mod, _args, out, m=m: post_hook(out, m)))
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
-            training_step(model, optimizer, batch, loss_fn, on_phase=on_phase)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), rec:
+            training_step(model, optimizer, batch, loss_fn, on_phase=on_phase,
+                          on_backward=on_backward)
     finally:
         for h in handles:
             h.remove()
@@ -229,7 +316,9 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
                 needed_by[sid] = opt_start
     return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
-                     param_names=param_names, opt_state_keys=opt_keys, device_type=device_type)
+                     param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,
+                     funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
+                     grad_nodes=grad_nodes)
 
 
 def _roles(rec: _Recorder, model, optimizer, batch, loss_fn):

@@ -2,12 +2,34 @@
 
 Mechanism (reference §9, §11):
 
-* a ``TorchDispatchMode`` counts the ops of the step (op ``k`` must be node ``k`` of the
-  recording: same name, same phase, else :class:`PlanMismatchError`), grabs the tensors
-  the plan manages when they are produced (by output position, size checked), and runs
-  the plan's "after op k" actions when op ``k + 1`` starts (autograd has packed op
-  ``k``'s saved tensors by then). Cost: a Python dispatch mode adds ~15-25 us of host
-  time per ATen op, which dominates the overhead of host-bound models;
+* the plan's "after op k" actions run between op ``k`` and op ``k + 1``, at the last
+  *anchor* there: an event the recording located without intercepting ops (see
+  :mod:`tensile.record`): a phase change, a module call (forward pre-/post-hook), a
+  tensor autograd saves (pack hook), a backward node about to run (node pre-hook) or a
+  saved tensor it unpacks (unpack hook). That is where a dispatch mode that sees op
+  ``k + 1`` start would run them; where no anchor exists, the mode does. A managed
+  activation is bound by output position (size checked): at the post-hook of the
+  module that returns it, or else (and always when it has a recompute recipe, which
+  needs the op's arguments) in its producing op, which a ``TorchDispatchMode`` must see;
+* that mode costs ~15 us of host time per ATen op even when it does nothing
+  (``python -m tensile.overhead`` measures it on the CPU; a GPU host pays as much or
+  more), which dominates the overhead of host-bound models. So it is on only in short
+  *windows* in forward and loss, opened and closed by forward hooks of the modules
+  around the ops that need it (module hooks run between ops; switching the mode inside
+  an op's dispatch would hide that op from it), and for the whole backward or optimizer
+  phase if one of its ops needs it (backward keeps the modes that were on when it
+  started; the optimizer has no anchors). Within the mode, an op with nothing planned
+  costs one identity compare of its ``OpOverload`` with the recorded one, then the call;
+* op-sequence check (:class:`PlanMismatchError`): the first step after every
+  (re)plan, timed steps, the step that creates the optimizer state and every step with
+  ``check_every_step`` run entirely under the mode and compare every op, and every
+  anchor's op count, with the recording. Other steps compare the ops inside windows,
+  the backward graph's node types (breadth-first from the loss), that every hooked node
+  ran and, where autograd's pack/unpack hooks are installed (only when the plan needs
+  them: ~1 us per saved tensor), the number of tensors saved and unpacked at every
+  phase change. Trade-off: an op outside the windows that changes without changing the
+  autograd graph or the saved tensors (e.g. one op under ``no_grad`` replaced by
+  another) goes unnoticed on those steps; the bindings still check storage sizes;
 * ``saved_tensors_hooks`` hand autograd a small handle instead of a managed activation,
   so the device copy can be dropped; unpacking in backward brings it back;
 * swap-outs are copied on a dedicated device→host stream into one pinned host pool
@@ -31,8 +53,11 @@ machine without a GPU. Memory and time are only meaningful on CUDA.
 """
 from __future__ import annotations
 
+import bisect
+import contextlib
+import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -41,7 +66,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .plan import Plan, Recompute, Swap
-from .record import Recording, device_tensors, is_counted, op_name
+from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
 from .step import training_step
 
 __all__ = ["PlanMismatchError", "RuntimeStats", "StepResult", "PlanRunner"]
@@ -144,15 +169,133 @@ class _Persistent:
 
 
 class _Mode(TorchDispatchMode):
+    """Counts and checks the ops of a step; hands ops with planned work to the runner."""
+
     def __init__(self, runner: "PlanRunner"):
         super().__init__()
         self.runner = runner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not is_counted(func):
-            return func(*args, **kwargs)
-        return self.runner._run_op(func, args, kwargs)
+        # Hot path: op k is the recorded one and nothing is planned at it (``_fast[k]``
+        # holds its OpOverload; ``None`` where the runner must act, and past the end).
+        r = self.runner
+        k = r.k
+        if func is r._fast[k]:
+            r.k = k + 1
+            return func(*args, **(kwargs or {}))
+        return r._run_op(func, args, kwargs or {})
+
+
+_WINDOW_PHASES = ("forward", "loss")  # module hooks can switch the mode on and off there
+_END = float("inf")                   # a window that lasts to the end of its phase
+
+
+@dataclass
+class _Work:
+    """What the runtime does at one anchor (see :class:`tensile.record.Anchor`)."""
+
+    ops: int                                    # ops done there (checked under the mode)
+    acts: list = field(default_factory=list)    # the plan's actions "before op ``ops``"
+    binds: list[tuple[int, int]] = field(default_factory=list)  # (sid, module output position)
+    toggle: bool | None = None                  # a mode window opens (True) or closes here
+
+
+@dataclass
+class _Schedule:
+    """Where a plan's work happens during a step (worked out once per plan).
+
+    The actions "before op c" (the plan's "after op c - 1") run where a dispatch mode
+    that sees op ``c`` start would run them: at the phase change if op ``c - 1`` ends a
+    phase, else at the last anchor before op ``c`` (nothing the step does lies between
+    the two), else at op ``c`` itself, under the mode. Swapped activations are bound at
+    the post-hook of the module that returns them where that hook runs right after the
+    producing op and before autograd saves them; others in their op, under the mode.
+    """
+
+    at: dict[tuple, _Work] = field(default_factory=dict)      # anchor key -> work
+    at_boundary: dict[int, list] = field(default_factory=dict)  # phase change -> actions
+    at_op: dict[int, list] = field(default_factory=dict)      # op -> actions run as it starts
+    grab_at_op: dict[int, list[int]] = field(default_factory=dict)  # op -> storages bound there
+    slow_ops: set[int] = field(default_factory=set)           # ops the mode hands to the runner
+    full_phases: set[str] = field(default_factory=set)        # run entirely under the mode
+    window_at_boundary: set[int] = field(default_factory=set)  # windows that open with a phase
+
+
+def _schedule(rec: Recording, before: dict[int, list], grabs: dict[int, list[int]],
+              bindable: set[int]) -> _Schedule:
+    """Anchor the actions and bindings; put a mode window around every op that needs one.
+
+    ``before``: op -> actions to run as it starts; ``grabs``: op -> managed storages it
+    produces; ``bindable``: the storages a module hook may bind (they need no recipe).
+    """
+    s = _Schedule()
+    anchors = rec.anchors
+
+    def work(j: int) -> _Work:
+        return s.at.setdefault(anchors[j].key, _Work(anchors[j].ops))
+
+    first_boundary: dict[int, int] = {}
+    for i, (_, ops, _, _) in enumerate(rec.boundaries):
+        first_boundary.setdefault(ops, i)
+    last_anchor = {a.ops: j for j, a in enumerate(anchors)}  # the last one of each count wins
+    for c, acts in before.items():
+        if c in first_boundary:
+            s.at_boundary[first_boundary[c]] = acts
+        elif c in last_anchor:
+            work(last_anchor[c]).acts = acts
+        else:
+            s.at_op[c] = acts
+    first_pack: dict[int, int] = {}
+    posts: dict[int, list[int]] = {}  # ops done -> module post-hooks there
+    for j, a in enumerate(anchors):
+        if a.key[0] == "pack" and a.sids[0] is not None:
+            first_pack.setdefault(a.sids[0], j)
+        elif a.key[0] == "post":
+            posts.setdefault(a.ops, []).append(j)
+    for k, sids in grabs.items():
+        for sid in sids:
+            j = next((j for j in posts.get(k + 1, []) if sid in anchors[j].sids), None)
+            if sid in bindable and j is not None and j < first_pack.get(sid, len(anchors)):
+                work(j).binds.append((sid, anchors[j].sids.index(sid)))
+            else:
+                s.grab_at_op.setdefault(k, []).append(sid)
+    s.slow_ops = set(s.at_op) | set(s.grab_at_op)
+    # Windows open and close at module calls (forward pre-/post-hooks): plain Python
+    # between two ops. Switching the mode inside an op's dispatch (in a pack hook, say)
+    # would show that op's inner ops to the mode, or hide the op from it.
+    calls: dict[str, list[int]] = {}  # phase -> its module hook anchors, in order
+    for j, a in enumerate(anchors):
+        if a.key[0] in ("pre", "post"):
+            calls.setdefault(a.phase, []).append(j)
+    b_ops = [b[1] for b in rec.boundaries]
+    windows: dict[int, list[list]] = {}
+    for x in sorted(s.slow_ops):
+        i = bisect.bisect_right(b_ops, x) - 1  # the phase op x runs in
+        phase = rec.boundaries[i][0]
+        if phase not in _WINDOW_PHASES:
+            s.full_phases.add(phase)
+            continue
+        js = calls.get(phase, [])
+        ops = [anchors[j].ops for j in js]
+        j_open = bisect.bisect_right(ops, x) - 1  # the last module call before op x
+        j_close = bisect.bisect_left(ops, x + 1)  # the first one after it
+        windows.setdefault(i, []).append([js[j_open] if j_open >= 0 else -1,
+                                          js[j_close] if j_close < len(js) else _END])
+    for i, ws in windows.items():
+        merged: list[list] = []
+        for w in sorted(ws):
+            if merged and w[0] <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], w[1])
+            else:
+                merged.append(w)
+        for start, end in merged:
+            if start < 0:
+                s.window_at_boundary.add(i)
+            else:
+                work(start).toggle = True
+            if end != _END:
+                work(end).toggle = False
+    return s
 
 
 class PlanRunner:
@@ -180,8 +323,20 @@ class PlanRunner:
         self._regions: dict[int, torch.Tensor] = {}
         self._persistent: dict[int, _Persistent] = {}
         self._hooks: list = []
+        self.check_every_step = False  # True: every step runs fully under the mode (debugging)
         self._mode = _Mode(self)
+        self._mode_on = False
+        self._in_step = False
         self._prev_iter = None
+        if not recording.boundaries or len(recording.funcs) != len(self.nodes):
+            raise ValueError("the recording has no anchors (op objects, phase changes): "
+                             "record it with tensile.record.record_step")
+        self._first_producer: dict[int, int] = {}  # storage -> the first op that outputs it
+        for k, outs in enumerate(recording.out_sids):
+            for sid in outs:
+                self._first_producer.setdefault(sid, k)
+        named = dict(model.named_parameters())
+        self._params_by_sid = {sid: named[name] for sid, name in recording.param_names.items()}
         self.plan: Plan | None = None
         self.set_plan(plan)
 
@@ -215,9 +370,12 @@ class PlanRunner:
                       for k, v in self.after.items()}
         # Where each managed activation is first produced: grab it there.
         self.grab: dict[int, list[int]] = {}
+        self._producer_of: dict[int, int] = {}
         for sid in list(self.swaps) + list(self.recomputes):
-            k = self._producer(sid)
+            k = self._producer_of[sid] = self._producer(sid)
             self.grab.setdefault(k, []).append(sid)
+        self._setup_anchors()
+        self._opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self._setup_pool(plan)
         self._persistent = {}
         for s in cross:
@@ -226,12 +384,32 @@ class PlanRunner:
                                  "a recorded parameter nor optimizer state")
             self._persistent[s.sid] = _Persistent(s, self._regions[s.sid])
         self._install_param_hooks()
+        self._install_anchor_hooks()
+
+    def _setup_anchors(self) -> None:
+        """Where the plan's work happens (:class:`_Schedule`) and what the hooks look up."""
+        before = {k + 1: acts for k, acts in self.after.items() if k >= 0}
+        self.sched = sched = _schedule(self.rec, before, self.grab, set(self.swaps))
+        managed = set(self.swaps) | set(self.recomputes)
+        self._managed_packs = {a.key[1] for a in self.rec.anchors
+                               if a.key[0] == "pack" and a.sids[0] in managed}
+        self._node_hooks = [key[1] for key in sched.at if key[0] == "node"]
+        # Autograd's pack/unpack hooks cost ~1 us per saved tensor: fast steps install
+        # them only if the plan manages activations or anchors work on them.
+        self._saved_hooks = bool(self._managed_packs) or any(
+            key[0] in ("pack", "unpack") for key in sched.at)
+        fast = list(self.rec.funcs) + [None]  # None: the runner acts (and past the last op)
+        for k in sched.slow_ops:
+            fast[k] = None
+        self._fast_plan = fast
+        self._fast_none = [None] * len(fast)  # timed steps: every op goes to the runner
+        self._grad_types: list | None = None  # backward node types, cached once checked
+        self._verified = False                # the next step checks every op
 
     def _producer(self, sid: int) -> int:
-        for k, outs in enumerate(self.rec.out_sids):
-            if sid in outs:
-                return k
-        raise ValueError(f"storage {sid} is managed by the plan but no recorded op produces it")
+        if sid not in self._first_producer:
+            raise ValueError(f"storage {sid} is managed by the plan but no recorded op produces it")
+        return self._first_producer[sid]
 
     def _setup_pool(self, plan: Plan) -> None:
         """One host pool for all swapped tensors, grown (re-allocated) only when needed."""
@@ -248,6 +426,20 @@ class PlanRunner:
                                      pin_memory=not self.simulate)
             self.stats.host_pool_bytes = self._pool.numel()
         self._regions = {sid: self._pool[o:o + n] for sid, (o, n) in offsets.items()}
+
+    def _install_anchor_hooks(self) -> None:
+        """Forward hooks on the modules whose calls anchor work (after the parameter hooks:
+        a parameter is back before the actions "before the module's first op" run, as
+        when the mode ran them as that op started)."""
+        modules = list(self.model.modules())
+        for kind, m in sorted({key[:2] for key in self.sched.at if key[0] in ("pre", "post")}):
+            if kind == "post":
+                h = modules[m].register_forward_hook(
+                    lambda _mod, _args, out, m=m: self._module_call("post", m, out))
+            else:
+                h = modules[m].register_forward_pre_hook(
+                    lambda _mod, _args, m=m: self._module_call("pre", m, None))
+            self._hooks.append(h)
 
     def _install_param_hooks(self) -> None:
         """Forward pre-hooks that put swapped parameters back before their module runs."""
@@ -275,26 +467,39 @@ class PlanRunner:
         """
         self._begin(measure_ops, init_step)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), self._mode:
+            hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                     if self._full or self._saved_hooks else contextlib.nullcontext())
+            with hooks:
                 loss = training_step(self.model, self.optimizer, batch, self.loss_fn,
-                                     on_phase=self._on_phase)
+                                     on_phase=self._on_phase, on_backward=self._on_backward)
+            self._set_mode(False)
+            self._in_step = False
             return self._end(loss)
         except BaseException:
-            self._entries, self._by_ptr, self._pending = {}, {}, ()
+            self._set_mode(False)
+            self._in_step = False
+            self._entries, self._by_ptr = {}, {}
             self.restore_all()
             raise
 
     def _begin(self, measure_ops: bool, init_step: bool) -> None:
         self.k = 0
         self.phase = None
-        self.checking = True
         self.init_step = init_step
         self.measure = measure_ops
+        # A full step runs entirely under the mode and checks every op and anchor.
+        self._full = measure_ops or init_step or not self._verified or self.check_every_step
+        self._fast = self._fast_none if measure_ops else self._fast_plan
+        self._packs = 0           # pack calls so far
+        self._boundary = 0        # phase changes so far
+        self._unpacks = 0         # unpack calls so far
+        self._module_calls: dict[tuple[str, int], int] = {}  # hooked module calls so far
+        self._in_step = True
+        self._nodes_started = 0   # hooked backward nodes that ran
         self._entries: dict[int, _Entry] = {}
         self._by_ptr: dict[int, tuple[StorageWeakRef, _Entry]] = {}
         self._op_events: list = []
         self._stalls: list = []
-        self._pending: Sequence = ()
         self._op_t: list[float] = []
         if self.simulate:
             self._t0 = time.perf_counter()
@@ -309,22 +514,110 @@ class PlanRunner:
                 pe.copied_out, pe.on_host = False, True
         for kind, a in self.after.get(-1, []):  # copy-ins issued at the iteration start
             self._act(kind, a)
+        self._set_mode(self._full)
+
+    def _set_mode(self, on: bool) -> None:
+        """Switch op interception on or off (never from inside the mode's own handler)."""
+        if on and not self._mode_on:
+            self._mode.__enter__()
+        elif not on and self._mode_on:
+            self._mode.__exit__(None, None, None)
+        self._mode_on = on
 
     def _on_phase(self, phase: str | None) -> None:
+        i = self._boundary
+        self._boundary = i + 1
+        bounds = self.rec.boundaries
+        if i >= len(bounds) or bounds[i][0] != phase:
+            want = bounds[i][0] if i < len(bounds) else "no more phases"
+            raise self._mismatch(f"phase change {i}: recorded {want}, now {phase}")
+        _, ops, packs, unpacks = bounds[i]
+        if not (self.init_step and phase is None):  # the init step's optimizer has other ops
+            if self._mode_on and self.k != ops:
+                raise self._mismatch(f"{self.k} ops before {phase or 'the end'}, recorded {ops}")
+            counted = self._full or self._saved_hooks  # pack/unpack hooks installed
+            if counted and (self._packs, self._unpacks) != (packs, unpacks):
+                raise self._mismatch(f"{self._packs} tensors saved for backward and "
+                                     f"{self._unpacks} unpacked before {phase or 'the end'}, "
+                                     f"recorded {packs} and {unpacks}")
+        if phase == "optimizer" and self._nodes_started != len(self._node_hooks):
+            raise self._mismatch(f"{self._nodes_started} of the {len(self._node_hooks)} hooked "
+                                 "backward nodes ran")
+        self.k = ops
         self.phase = phase
-        if self.checking:
-            self._flush()
-        if phase == "optimizer":
-            if self.init_step:
-                self.checking = False  # the optimizer is creating its state: other ops
-            else:
-                self._restore([sid for sid in self._persistent
-                               if sid in self.rec.opt_state_keys])
+        acts = self.sched.at_boundary.get(i)
+        if acts and not (self.init_step and phase is None):
+            self._run(acts)
+        if phase == "optimizer" and not self.init_step:
+            self._restore([sid for sid in self._persistent if sid in self.rec.opt_state_keys])
+        if self.init_step and phase == "optimizer":
+            on = False  # the optimizer is creating its state: other ops, unplanned
+        else:
+            on = (self._full or phase in self.sched.full_phases
+                  or i in self.sched.window_at_boundary)
+        self._set_mode(on and phase is not None)
+
+    def _on_backward(self, loss: torch.Tensor) -> None:
+        """Check the backward graph against the recording; hook the nodes that anchor actions."""
+        nodes = autograd_nodes(loss)
+        types = [type(n) for n in nodes]
+        if types != self._grad_types:
+            names, recorded = [n.name() for n in nodes], self.rec.grad_nodes
+            if names != recorded:
+                i = next((i for i, (a, b) in enumerate(zip(names, recorded)) if a != b),
+                         min(len(names), len(recorded)))
+                got = names[i] if i < len(names) else "no more nodes"
+                want = recorded[i] if i < len(recorded) else "no more nodes"
+                raise self._mismatch(f"backward node {i} (breadth-first from the loss): "
+                                     f"recorded {want}, now {got}")
+            self._grad_types = types
+        for b in self._node_hooks:
+            nodes[b].register_prehook(functools.partial(self._node_start, b))
+
+    def _node_start(self, b: int, _grads) -> None:
+        """Backward is about to run hooked node ``b``."""
+        self._nodes_started += 1
+        self._at(self.sched.at[("node", b)])
+
+    def _module_call(self, kind: str, m: int, output) -> None:
+        """Hooked module ``m`` starts (``kind`` "pre") or has returned ``output`` ("post")."""
+        if not self._in_step:
+            return  # the model runs outside a step (evaluation, say)
+        n = self._module_calls.get((kind, m), 0)
+        self._module_calls[(kind, m)] = n + 1
+        work = self.sched.at.get((kind, m, n))
+        if work is not None:
+            self._at(work, output)
+
+    def _at(self, work: _Work, output=None) -> None:
+        """Do the work anchored at an event: bind module outputs, run actions, switch the mode."""
+        if self._mode_on and self.k != work.ops:
+            raise self._mismatch(f"{self.k} ops before a hook event, recorded {work.ops}")
+        if work.binds or work.acts:
+            with _disable_current_modes():  # the runtime's own ops are not the step's
+                outs = device_tensors(output, self.device.type) if work.binds else []
+                for sid, pos in work.binds:
+                    if pos >= len(outs):
+                        raise self._mismatch(f"a module returned {len(outs)} tensors, recorded "
+                                             f"storage {sid} as output {pos}")
+                    self._bind(sid, outs[pos], None)
+                for kind, a in work.acts:
+                    self._act(kind, a)
+        if work.toggle is not None and not self._full:  # a full step keeps the mode on
+            self.k = work.ops
+            self._set_mode(work.toggle)
+
+    def _mismatch(self, what: str) -> PlanMismatchError:
+        return PlanMismatchError(
+            f"{what}. The model's op sequence changed (data-dependent control flow or new "
+            "shapes?): build a new Scheduler for it")
 
     def _end(self, loss: torch.Tensor) -> StepResult:
-        if not self.init_step and self.k != len(self.nodes):
-            raise PlanMismatchError(f"the step ran {self.k} ops, the recording has {len(self.nodes)}")
-        self._flush()
+        if self._boundary != len(self.rec.boundaries):
+            raise PlanMismatchError(f"the step went through {self._boundary} phase changes, "
+                                    f"the recording {len(self.rec.boundaries)}")
+        if self._full and not self.init_step:
+            self._verified = True
         # Between steps every parameter is on the device (one its module did not use
         # this step would still be on the host: bring it back).
         self._restore([sid for sid, pe in self._persistent.items() if pe.on_host], forced=True)
@@ -352,19 +645,17 @@ class PlanRunner:
 
     # ================================================================== per op
     def _run_op(self, func, args, kwargs):
-        k = self.k
-        if self.checking:
-            if k >= len(self.nodes) or self.nodes[k].name != op_name(func) or \
-                    self.nodes[k].phase != self.phase:
-                want = (f"{self.nodes[k].name} in {self.nodes[k].phase}" if k < len(self.nodes)
-                        else "no more ops")
-                raise PlanMismatchError(
-                    f"op {k}: recorded {want}, now {op_name(func)} in {self.phase}. The model's "
-                    "op sequence changed (data-dependent control flow or new shapes?): build a "
-                    "new Scheduler for it")
-        if not self.checking:
+        """An op the mode's hot path did not take: a view, a planned op, or a mismatch."""
+        if not is_counted(func):
             return func(*args, **kwargs)
-        self._flush()
+        k = self.k
+        if k >= len(self.nodes) or func is not self.rec.funcs[k]:
+            want = (f"{self.nodes[k].name} in {self.nodes[k].phase}" if k < len(self.nodes)
+                    else "no more ops")
+            raise self._mismatch(f"op {k}: recorded {want}, now {op_name(func)} in {self.phase}")
+        acts = self.sched.at_op.get(k)
+        if acts:
+            self._run(acts)
         if self.measure:
             if self.simulate:
                 t0 = time.perf_counter()
@@ -378,22 +669,16 @@ class PlanRunner:
             else:
                 ev[1].record()
                 self._op_events.append(ev)
-        if k in self.grab:
+        if k in self.sched.grab_at_op:
             self._grab(k, func, args, kwargs, out)
-        # "After op k" runs when the next op starts: by then autograd has packed op k's
-        # saved tensors and Python has dropped the tensors op k used last, which is the
-        # state the planner's per-op memory count assumes.
-        self._pending = self.after.get(k, ())
         self.k = k + 1
         return out
 
-    def _flush(self) -> None:
-        """Run the pending "after op k" actions (their copies must not count as ops)."""
-        pending, self._pending = self._pending, ()
-        if pending:
-            with _disable_current_modes():
-                for kind, a in pending:
-                    self._act(kind, a)
+    def _run(self, acts: list) -> None:
+        """Run actions (their copies are not ops of the step: no mode sees them)."""
+        with _disable_current_modes():
+            for kind, a in acts:
+                self._act(kind, a)
 
     def _grab(self, k: int, func, args, kwargs, out) -> None:
         """Take hold of the managed activations op ``k`` produces (by output position)."""
@@ -401,20 +686,23 @@ class PlanRunner:
         if len(outs) != len(self.rec.out_sids[k]):
             raise PlanMismatchError(f"op {k} ({op_name(func)}): recorded {len(self.rec.out_sids[k])} "
                                     f"device outputs, now {len(outs)}")
-        for sid in self.grab[k]:
+        for sid in self.sched.grab_at_op[k]:
             pos = self.rec.out_sids[k].index(sid)
-            t = outs[pos]
-            want = self.nodes[k].storage_bytes[sid]
-            if t.untyped_storage().nbytes() != want:
-                raise PlanMismatchError(f"op {k} ({op_name(func)}) output {pos}: recorded a "
-                                        f"{want}-byte storage, now {t.untyped_storage().nbytes()}")
-            e = _Entry(sid, want, self.swaps.get(sid), self.recomputes.get(sid))
-            e.data = _bytes_of(t)
-            e.orig = StorageWeakRef(t.untyped_storage())
-            if e.recompute is not None:
-                e.recipe = (func, args, kwargs, pos)
-            self._entries[sid] = e
-            self._by_ptr[t.untyped_storage().data_ptr()] = (e.orig, e)
+            self._bind(sid, outs[pos], (func, args, kwargs, pos))
+
+    def _bind(self, sid: int, t: torch.Tensor, recipe) -> None:
+        """Manage ``t`` as storage ``sid`` from now on (``recipe``: how to recompute it)."""
+        want = self.rec.graph.nodes[self._producer_of[sid]].storage_bytes[sid]
+        if t.untyped_storage().nbytes() != want:
+            raise PlanMismatchError(f"storage {sid}: recorded {want} bytes, now "
+                                    f"{t.untyped_storage().nbytes()}")
+        e = _Entry(sid, want, self.swaps.get(sid), self.recomputes.get(sid))
+        e.data = _bytes_of(t)
+        e.orig = StorageWeakRef(t.untyped_storage())
+        if e.recompute is not None:
+            e.recipe = recipe
+        self._entries[sid] = e
+        self._by_ptr[t.untyped_storage().data_ptr()] = (e.orig, e)
 
     def _act(self, kind: str, a) -> None:
         if a.sid in self._persistent:
@@ -547,6 +835,17 @@ class PlanRunner:
 
     # ================================================================== autograd hooks
     def _pack(self, t: torch.Tensor):
+        """Autograd saves ``t`` (pack call ``p``, an anchor)."""
+        p = self._packs
+        self._packs = p + 1
+        out = self._handle(t) if p in self._managed_packs else t
+        work = self.sched.at.get(("pack", p))
+        if work is not None:
+            self._at(work)
+        return out
+
+    def _handle(self, t: torch.Tensor):
+        """A handle instead of ``t`` if ``t`` views a managed activation."""
         if not self._by_ptr or t.device.type != self.device.type or t.layout != torch.strided:
             return t
         hit = self._by_ptr.get(t.untyped_storage().data_ptr())
@@ -558,8 +857,17 @@ class PlanRunner:
         return _Packed(hit[1], _meta_of(t))
 
     def _unpack(self, h):
-        if not isinstance(h, _Packed):
-            return h
+        """Backward needs a saved tensor: the anchor of unpack call ``u``."""
+        u = self._unpacks
+        self._unpacks = u + 1
+        t = self._unpack_handle(h) if isinstance(h, _Packed) else h
+        work = self.sched.at.get(("unpack", u))
+        if work is not None:
+            self._at(work)
+        return t
+
+    def _unpack_handle(self, h: "_Packed") -> torch.Tensor:
+        """The managed activation behind ``h``, brought back if it is not on the device."""
         e = h.entry
         with _disable_current_modes():
             e.in_backward = True
@@ -592,13 +900,12 @@ class PlanRunner:
     # ================================================================== objects
     def _persistent_obj(self, sid: int) -> torch.Tensor | None:
         """The live parameter or optimizer-state tensor behind a recorded storage id."""
-        name = self.rec.param_names.get(sid)
-        if name is not None:
-            return dict(self.model.named_parameters())[name]
+        param = self._params_by_sid.get(sid)
+        if param is not None:
+            return param
         key = self.rec.opt_state_keys.get(sid)
         if key is not None:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            v = self.optimizer.state.get(params[key[0]], {}).get(key[1])
+            v = self.optimizer.state.get(self._opt_params[key[0]], {}).get(key[1])
             return v if isinstance(v, torch.Tensor) else None
         return None
 

@@ -33,13 +33,15 @@ def split_batch(batch: Sequence, loss_fn) -> tuple[tuple, object]:
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
                   loss_fn: Callable | None,
-                  on_phase: Callable[[str | None], None] | None = None) -> torch.Tensor:
+                  on_phase: Callable[[str | None], None] | None = None,
+                  on_backward: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """Forward, loss, backward and ``optimizer.step()``; returns the detached loss.
 
     Gradients are set to ``None`` before and after (``zero_grad(set_to_none=True)``), so
     they live only from backward to the update, as the access timeline assumes.
     ``on_phase`` is told ``"forward"``, ``"loss"``, ``"backward"``, ``"optimizer"`` and
-    finally ``None`` as the step moves on.
+    finally ``None`` as the step moves on. ``on_backward`` gets the loss right before
+    ``loss.backward()``, when the autograd graph is complete (to hook its nodes).
     """
     phase = on_phase or (lambda _p: None)
     inputs, target = split_batch(batch, loss_fn)
@@ -53,6 +55,8 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seq
         raise ValueError("the loss must be a one-element tensor; got "
                          f"{type(loss).__name__} {getattr(loss, 'shape', '')}")
     phase("backward")
+    if on_backward is not None:
+        on_backward(loss)
     loss.backward()
     phase("optimizer")
     optimizer.step()

@@ -222,3 +222,159 @@ def test_cuda_runtime_refuses_a_cpu_model():
     with pytest.raises(ValueError, match="simulate=True"):
         tensile.Scheduler(model, opt, batches(1)[0], nn.functional.cross_entropy,
                           simulate=False, d2h_bw=1e9, h2d_bw=1e9, **FAST)
+
+
+# --------------------------------------------------------------------------- host cost
+# The runtime intercepts ops (a Python dispatch mode, ~15 us per op) only on checked
+# steps (the first after every plan) and around ops that need it; other steps run the
+# plan from hooks. These tests check that fast steps do exactly what checked steps do.
+
+from tensile.estimate import estimate_op_times  # noqa: E402
+from tensile.plan import Plan  # noqa: E402
+from tensile.planner import plan as make_plan  # noqa: E402
+from tensile.record import record_step  # noqa: E402
+from tensile.runtime import PlanRunner, _Mode  # noqa: E402
+
+
+class Residual(nn.Module):
+    """Conv-BN blocks, a skip connection (functional add) and one ReLU module used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.relu(self.stem(x))
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.head((x + y).relu().mean((2, 3)))
+
+
+@pytest.fixture
+def intercepted(monkeypatch):
+    """Ops the runtime's dispatch mode sees, one count per step (append 0 to start one)."""
+    counts: list[int] = []
+    original = _Mode.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        counts[-1] += 1
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_Mode, "__torch_dispatch__", counting)
+    return counts
+
+
+def run_runner(kind: str, counts: list[int], *, check_every_step: bool = False, n: int = 6,
+               evaluate_between: bool = False):
+    """Train ``Residual`` under a plan of ``kind`` with :class:`PlanRunner` directly."""
+    torch.manual_seed(0)
+    model = Residual()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)  # as on a GPU
+    data = batches(n)
+    ce = nn.functional.cross_entropy
+    training_step(model, opt, data[0], ce)  # the optimizer state exists from here on
+    rec = record_step(model, opt, data[0], ce)
+    tl = rec.timeline(estimate_op_times(rec.graph, 1e10, 1e10))
+    peak = int(tl.vanilla_curve().max())
+    if kind == "empty":
+        p = Plan(num_ops=tl.num_ops, budget_bytes=None, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
+    elif kind == "swap":
+        p = make_plan(tl, budget_bytes=None, d2h_bw=1e12, h2d_bw=1e12, copy_latency_ms=0.0,
+                      allow_recompute=False)
+    else:  # slow copies: recomputation
+        p = make_plan(tl, budget_bytes=int(0.9 * peak), d2h_bw=1e3, h2d_bw=1e3,
+                      copy_latency_ms=0.0, allow_cross_iteration=False)
+    runner = PlanRunner(rec, model, opt, ce, p, simulate=True)
+    runner.check_every_step = check_every_step
+    torch.manual_seed(123)
+    for x, y in data:
+        counts.append(0)
+        runner.step((x, y))
+        if evaluate_between:  # outside a step: the runtime's module hooks must ignore it
+            model.eval()
+            with torch.no_grad():
+                model(x)
+            model.train()
+    runner.restore_all()
+    return state_tensors(model, opt), runner.stats, p, runner
+
+
+def test_empty_plan_intercepts_no_op_once_checked(intercepted):
+    _, stats, _, runner = run_runner("empty", intercepted)
+    assert intercepted[0] > runner.plan.num_ops  # checked step: every op (and view)
+    assert intercepted[1:] == [0] * (len(intercepted) - 1)
+    assert stats.steps == len(intercepted)
+
+
+@pytest.mark.parametrize("kind", ["swap", "recompute"])
+def test_fast_steps_match_checked_steps(kind, intercepted):
+    fast_states, fast_stats, p, runner = run_runner(kind, intercepted)
+    fast_counts = list(intercepted)
+    intercepted.clear()
+    checked_states, checked_stats, _, _ = run_runner(kind, intercepted, check_every_step=True)
+    if kind == "swap":
+        assert {s.cross_iteration for s in p.swaps} == {True, False}
+    else:
+        assert p.recomputes
+    for a, b in zip(checked_states, fast_states):
+        assert torch.equal(a, b)
+    assert fast_stats == checked_stats
+    assert fast_stats.swap_outs + fast_stats.recomputes > 0
+    # Fast steps intercept a small part of the ops: windows around the ops that need the
+    # mode, plus the optimizer phase where it has actions (it has no anchors).
+    assert fast_counts[0] == intercepted[0]
+    assert all(c < intercepted[0] / 2 for c in fast_counts[1:]), (fast_counts, intercepted)
+    assert "forward" not in runner.sched.full_phases and "backward" not in runner.sched.full_phases
+
+
+def test_evaluating_the_model_between_steps_changes_nothing(intercepted):
+    plain, plain_stats, _, _ = run_runner("recompute", intercepted)
+    evaluated, eval_stats, _, _ = run_runner("recompute", intercepted, evaluate_between=True)
+    for a, b in zip(plain, evaluated):
+        assert torch.equal(a, b)
+    assert plain_stats == eval_stats
+
+
+def test_changed_backward_graph_raises_on_a_fast_step():
+    class Switch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make_cnn()
+            self.tanh = False
+
+        def forward(self, x):
+            out = self.net(x)
+            return out.tanh() if self.tanh else out.sigmoid()
+
+    torch.manual_seed(0)
+    model = Switch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(3)
+    ce = nn.functional.cross_entropy
+    training_step(model, opt, data[0], ce)
+    rec = record_step(model, opt, data[0], ce)
+    p = Plan(num_ops=rec.graph.num_nodes, budget_bytes=None, d2h_bytes_per_s=1e12,
+             h2d_bytes_per_s=1e12)
+    runner = PlanRunner(rec, model, opt, ce, p, simulate=True)
+    runner.step(data[0])  # checked
+    runner.step(data[1])  # fast
+    model.tanh = True     # same number of ops and saved tensors, another backward node
+    with pytest.raises(PlanMismatchError, match="backward node .*recorded SigmoidBackward0, "
+                                                "now TanhBackward0"):
+        runner.step(data[2])
+    model.tanh = False
+    runner.step(data[2])
+
+
+def test_overhead_benchmark_prints_every_mode(capsys):
+    from tensile.overhead import main
+
+    timings = main(["--model", "resnet18", "--batch", "2", "--steps", "1", "--rounds", "1"])
+    assert [t.mode for t in timings] == ["vanilla", "empty plan", "real plan", "checked"]
+    assert all(t.ms_per_step > 0 for t in timings)
+    out = capsys.readouterr().out
+    assert "us/op" in out and "counted ops" in out
