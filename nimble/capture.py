@@ -375,7 +375,8 @@ class Nimble:
             plan = cap_streams(plan, graph, max_streams)
         return plan
 
-    def _scheduled_forward(self, grad: bool, timing_events=None) -> Any:
+    def _scheduled_forward(self, grad: bool,
+                           timing_events: list[torch.cuda.Event] | None = None) -> Any:
         """Run the module under the plan; the current stream must be the origin stream."""
         mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events)
         with torch.set_grad_enabled(grad):
@@ -390,13 +391,12 @@ class Nimble:
         """The forward of a whole training step (called inside the step's own context)."""
         return self._scheduled_forward(grad=True)
 
-    def _run_scheduled(self, capture: torch.cuda.CUDAGraph | None, grad: bool = False,
-                       timing_events: list[torch.cuda.Event] | None = None) -> Any:
+    def _run_scheduled(self, capture: torch.cuda.CUDAGraph | None, grad: bool = False) -> Any:
         origin = self._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
         if capture is not None:
             with torch.cuda.graph(capture, stream=origin):
-                return self._scheduled_forward(grad, timing_events)
+                return self._scheduled_forward(grad)
         # Host syncs the trace cannot see (printing a tensor runs with dispatch modes
         # disabled) would break capture: make any synchronizing CUDA call an error here,
         # in the uncaptured pre-run, where failing leaves nothing half-captured.
@@ -404,7 +404,7 @@ class Nimble:
         torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(origin):
-                out = self._scheduled_forward(grad, timing_events)
+                out = self._scheduled_forward(grad)
         except RuntimeError as e:
             if "synchronizing CUDA operation" not in str(e):
                 raise
@@ -504,10 +504,9 @@ class Nimble:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             origin = self._streams[0]
-            with torch.cuda.graph(g, stream=origin), torch.no_grad():
+            with torch.cuda.graph(g, stream=origin):
                 start.record(origin)
-                with ScheduledMode(self.graph, self.plan, self._streams, events):
-                    self._run_module(*self._static_inputs)
+                self._scheduled_forward(grad=False, timing_events=events)
             samples = []
             for _ in range(repeats):
                 g.replay()
