@@ -204,7 +204,9 @@ def test_killed_scheduler_then_restarted(sock_path, server, jobs):
     r = s.report()
     assert r.connected and r.job_id == "job" and r.plan_version >= 1, \
         f"no plan {done - 10} steps after the scheduler came back"
-    assert "arrival of job" in r.plan_reason
+    # The new scheduler planned for this job: on its arrival, or already again on a drift
+    # report (CPU step times are noisy), which only a registered job can send.
+    assert r.plan_reason.startswith(("arrival of job", "drift of job")), r.plan_reason
     for batch in data[done:done + 3]:  # and trains under it
         s.step(*batch)
         done += 1
