@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from polling import wait_until
 import tensile
 from tensile import server as server_mod
 from tensile.step import training_step
@@ -75,15 +76,6 @@ def make_job(path: Path, job_id: str | None = None, **kw) -> tensile.Scheduler:
     return tensile.Scheduler(model, opt, batches(1)[0], nn.functional.cross_entropy,
                              scheduler_socket=path, job_id=job_id,
                              client_kwargs=FAST_CLIENT, **(RATES | kw))
-
-
-def wait_until(cond, timeout: float = 10.0, every: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def spawn_server(path: Path) -> subprocess.Popen:
@@ -155,7 +147,8 @@ def test_two_jobs_get_their_parts_of_one_joint_plan(sock_path, server, jobs):
 
     a.close()  # leaving re-plans the other job
     assert not a.report().connected and not a.plan.swaps  # a trains on, vanilla
-    assert wait_until(lambda: (b.heartbeat(), "departure of a" in (b.report().plan_reason or ""))[1])
+    assert wait_until(lambda: (b.heartbeat(), "departure of a" in (b.report().plan_reason or ""))[1],
+                      timeout=10)
 
 
 def test_no_scheduler_means_vanilla_and_identical_training(sock_path, jobs):

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from polling import wait_until
 import tensile.server as server_mod
 from tensile.client import SchedulerError, TensileClient
 from tensile.protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, decode, encode,
@@ -51,15 +52,6 @@ def register_msg(job_id: str = "raw", **extra) -> dict:
     return {"type": "register", "job_id": job_id, "weight": 1.0, "seq": 1,
             "timeline": timeline_to_wire(tl), "op_times_ms": [float(x) for x in tl.op_ms],
             "bandwidths": {"d2h": BW[0], "h2d": BW[1]}, **extra}
-
-
-def wait_until(cond, timeout: float = 5.0, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return False
 
 
 def newer(client: TensileClient, version: int, timeout: float = 5.0) -> bool:
