@@ -74,6 +74,15 @@ def _backends():
 
 # --------------------------------------------------------------------------- validation
 
+def validate_model_and_batch(cfg: DictConfig, models: dict) -> None:
+    """The checks every experiment shares: a known model and a positive integer batch size."""
+    if cfg.model.name not in models:
+        raise ConfigError(f"unknown model {cfg.model.name!r}; valid: {', '.join(models)}")
+    batch = cfg.batch_size
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch!r}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Fail fast, naming the valid choices, before any model or backend is built."""
     exp = cfg.experiment.name
@@ -87,12 +96,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"experiment.mode={cfg.experiment.mode!r}; valid: {', '.join(TRAINING_MODES)}")
         if cfg.experiment.optimizer not in OPTIMIZERS:
             raise ConfigError(f"experiment.optimizer={cfg.experiment.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    models = _models().MODELS
-    if cfg.model.name not in models:
-        raise ConfigError(f"unknown model {cfg.model.name!r}; valid: {', '.join(models)}")
-    batch = cfg.batch_size
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch!r}")
+    validate_model_and_batch(cfg, _models().MODELS)
     names = list(cfg.backends or [])
     if not names:
         raise ConfigError("backends is empty; give at least one, e.g. backends=[eager]")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from experiments.run import ConfigError
+from experiments.run import ConfigError, validate_model_and_batch
 from experiments.store import ResultStore, row_key
 from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
@@ -60,11 +60,7 @@ OPTIMIZERS = ("adam", "sgd")
 def validate(cfg, models: dict) -> None:
     """Fail fast with the valid choices (:class:`experiments.run.ConfigError`)."""
     exp = cfg.experiment
-    if cfg.model.name not in models:
-        raise ConfigError(f"unknown model {cfg.model.name!r}; valid: {', '.join(models)}")
-    batch = cfg.batch_size
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch!r}")
+    validate_model_and_batch(cfg, models)
     methods = list(exp.methods or [])
     if not methods:
         raise ConfigError(f"experiment.methods is empty; valid: {', '.join(METHODS)}")
