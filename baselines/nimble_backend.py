@@ -80,6 +80,7 @@ def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:
         "eager_peak_mb": round(st.eager_peak_bytes / MB, 1),
         "eager_reserved_mb": round(st.eager_reserved_bytes / MB, 1),
         "weights_mb": round(st.weights_bytes / MB, 1),
+        "allocator": st.allocator,
     }
     return fn
 

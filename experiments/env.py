@@ -93,6 +93,10 @@ def _static_environment(device: str) -> dict[str, str]:
     driver = _driver_version() if device.startswith("cuda") else ""
     if driver:  # not a column: goes into the row's extra JSON
         env["driver"] = driver
+    if device.startswith("cuda") and torch.cuda.is_available():
+        # native caching allocator or cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF): changes
+        # the memory of multi-stream graphs, so it goes with the row (extra JSON)
+        env["allocator"] = torch.cuda.get_allocator_backend()
     return env
 
 

@@ -39,6 +39,7 @@ def measure_model(name: str, batch: int) -> dict:
         row["eager_alloc_mb"] = round((st.eager_peak_bytes - st.weights_bytes) / MB)
         row["eager_reserved_mb"] = round((st.eager_reserved_bytes - st.weights_bytes) / MB)
         row["weights_mb"] = round(st.weights_bytes / MB)
+        row["allocator"] = st.allocator
         del fast
         torch.cuda.empty_cache()
     return row

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .allocator import GraphMemoryMeter
 from .graph import TaskGraph
 from .passes import fold_conv_bn
 from .streams import StreamPlan, assign_streams, critical_path
@@ -68,8 +69,9 @@ class PrepareStats:
     capture_s: float = 0.0
     eager_peak_bytes: int = 0        # weights + eager's peak of allocated activations
     eager_reserved_bytes: int = 0    # weights + what eager's caching allocator reserved
-    graph_pool_bytes: int = 0
+    graph_pool_bytes: int = 0        # the graph's own memory (pool or graph memory nodes)
     weights_bytes: int = 0
+    allocator: str = "native"        # PyTorch's CUDA allocator backend during capture
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -275,13 +277,14 @@ class Nimble:
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
         cuda_graph = torch.cuda.CUDAGraph()
-        # The graph's private pool starts empty; what it reserves during capture is the
-        # graph's memory (torch.cuda.graph also empties the cache on entry).
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
+        # What the capture adds is the graph's memory: its private pool (native
+        # allocator) or its graph memory nodes (cudaMallocAsync, mapped at first launch).
+        meter = GraphMemoryMeter()
         out = self._run_scheduled(capture=cuda_graph)
-        torch.cuda.synchronize()
-        self.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        if meter.needs_launch:
+            cuda_graph.replay()        # same static inputs: rewrites the static outputs only
+        self.stats.graph_pool_bytes = meter.read()
+        self.stats.allocator = meter.backend
         self.stats.capture_s = time.perf_counter() - t0
         flat, self._out_spec = tree_flatten(out)
         if not all(isinstance(t, torch.Tensor) for t in flat):

@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .allocator import GraphMemoryMeter
 from .graph import TaskGraph
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
@@ -116,6 +117,20 @@ def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: di
                     v.copy_(before[k]) if k in before else v.zero_()
 
 
+def _record_graph_memory(stats, meter: GraphMemoryMeter) -> None:
+    """Store the captured graphs' memory in ``stats``; say so where it cannot be read yet.
+
+    Under the cudaMallocAsync backend graph memory is mapped at the first launch, and
+    launching a training graph here would update the weights: the figure is then the
+    part known at capture, and a note says it is a lower bound.
+    """
+    stats.graph_pool_bytes = meter.read()
+    stats.allocator = meter.backend
+    if meter.needs_launch:
+        stats.notes.append("graph memory is a lower bound: under cudaMallocAsync it is "
+                           "mapped at the first replay")
+
+
 class TrainingCapture:
     """The fwd-bwd capture of a module in training mode (see the module docstring)."""
 
@@ -150,8 +165,7 @@ class TrainingCapture:
         del out, flat
         torch.cuda.synchronize()
 
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
+        meter = GraphMemoryMeter()
         self.forward_graph = torch.cuda.CUDAGraph()
         out = nb._run_scheduled(capture=self.forward_graph, grad=True)
         flat, nb._out_spec = tree_flatten(out)
@@ -165,8 +179,7 @@ class TrainingCapture:
             for s in nb._streams[1:]:
                 s.wait_stream(origin)
             _backward_on_streams(flat, self.static_grad_outputs, nb._streams)
-        torch.cuda.synchronize()
-        nb.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        _record_graph_memory(nb.stats, meter)
         nb.stats.capture_s = time.perf_counter() - start
         # The captured outputs keep their autograd history (saved activations live in the
         # pool and are rewritten by every replay); callers get detached aliases of them.
@@ -277,12 +290,10 @@ class WholeStep:
         torch.cuda.synchronize()
         # Gradients are created inside the graph (AccumulateGrad takes the new buffer).
         self.optimizer.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved()
+        meter = GraphMemoryMeter()
         self.graph = torch.cuda.CUDAGraph()
         self.static_loss = nb._run_step_captured(self.graph, self._step_body)
-        torch.cuda.synchronize()
-        nb.stats.graph_pool_bytes = torch.cuda.memory_reserved() - reserved
+        _record_graph_memory(nb.stats, meter)
         nb.stats.capture_s = time.perf_counter() - start
 
     def __call__(self, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:

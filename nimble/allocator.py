@@ -1,0 +1,88 @@
+"""How much memory a captured CUDA graph holds, under either PyTorch allocator backend.
+
+PyTorch has two CUDA allocator backends, chosen once per process before CUDA starts
+(``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``; ``native`` is the default):
+
+* ``native`` (the caching allocator): a graph's allocations come from a private pool of
+  the caching allocator, so the graph's memory is what ``memory_reserved`` grew by during
+  capture. A block freed during capture is reused only by later allocations *on the
+  stream that allocated it*, so a multi-stream graph keeps one working set per stream.
+* ``cudaMallocAsync``: allocations made during capture become CUDA graph memory nodes.
+  The driver assigns them addresses when the graph is instantiated and reuses memory
+  between allocations whose lifetimes do not overlap *in the graph's dependency order*,
+  across streams. The memory is mapped at the first launch and does not show in
+  ``memory_reserved``: it is read from the driver (``cuDeviceGetGraphMemAttribute``).
+
+:class:`GraphMemoryMeter` hides the difference: snapshot before capture, read after.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+__all__ = ["allocator_backend", "graph_memory_used", "GraphMemoryMeter"]
+
+_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
+
+
+def allocator_backend() -> str:
+    """``"native"`` or ``"cudaMallocAsync"`` (fixed once CUDA is initialised)."""
+    return torch.cuda.get_allocator_backend()
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as e:                       # pragma: no cover - needs a GPU host
+        raise RuntimeError(f"cannot load the CUDA driver library libcuda.so.1: {e}") from e
+
+
+def graph_memory_used(device: int | None = None) -> int:
+    """Bytes of device memory the driver currently associates with CUDA graphs.
+
+    Covers graph memory nodes only (``cudaMallocAsync`` backend); with the native
+    allocator graphs allocate from PyTorch's pools and this stays 0.
+    """
+    lib = _libcuda()
+    ordinal = torch.cuda.current_device() if device is None else device
+    dev, value = ctypes.c_int(), ctypes.c_uint64()
+    if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
+        raise RuntimeError(f"cuDeviceGet({ordinal}) failed")
+    err = lib.cuDeviceGetGraphMemAttribute(dev, ctypes.c_int(_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+                                           ctypes.byref(value))
+    if err != 0:
+        raise RuntimeError(f"cuDeviceGetGraphMemAttribute failed with CUresult {err}")
+    return int(value.value)
+
+
+class GraphMemoryMeter:
+    """Memory added by the captures made between construction and :meth:`read`.
+
+    Construct it right before capturing (it synchronises and empties the cache so that
+    pool growth is the graph's); call :meth:`read` after capture and, under the
+    ``cudaMallocAsync`` backend, after the graph's first launch (graph memory is mapped
+    at launch, not at capture).
+    """
+
+    def __init__(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.backend = allocator_backend()
+        self._reserved = torch.cuda.memory_reserved()
+        self._graph = graph_memory_used() if self.needs_launch else 0
+
+    @property
+    def needs_launch(self) -> bool:
+        """Whether :meth:`read` is only meaningful after the graph has been launched once."""
+        return self.backend == "cudaMallocAsync"
+
+    def read(self) -> int:
+        """Bytes the graph(s) hold now, relative to construction."""
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved() - self._reserved
+        if self.needs_launch:
+            grown += graph_memory_used() - self._graph
+        return max(grown, 0)
