@@ -41,13 +41,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .allocator import GraphMemoryMeter
+from .allocator import GraphMemoryMeter, allocator_backend
 from .graph import TaskGraph
 from .passes import fold_conv_bn
 from .streams import StreamPlan, assign_streams, critical_path
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
-__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats"]
+__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator"]
 
 
 class NimbleError(RuntimeError):
@@ -337,6 +337,7 @@ class Nimble:
         t0 = time.perf_counter()
         self.plan = self._make_plan(graph, self._use_multi_stream, self._max_streams)
         self.stats.plan_s = time.perf_counter() - t0
+        check_allocator(self.plan.num_streams)
         self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
         self.stats.num_edges = len(graph.edges)
         self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
@@ -527,6 +528,21 @@ class Nimble:
         times = list(op_times) if op_times is not None else self.op_times_ms()
         weight, _ = critical_path(self.graph.num_nodes, self.graph.edges, times)
         return weight
+
+
+def check_allocator(num_streams: int) -> None:
+    """Refuse a multi-stream capture under the ``cudaMallocAsync`` allocator backend.
+
+    Measured on an H200 with torch 2.11: single-stream graphs work under that backend, but
+    a multi-stream Nimble capture aborted the process (``cudaFreeAsync`` of a captured
+    allocation outside the graph: invalid argument), which no ``except`` can catch.
+    """
+    if num_streams > 1 and allocator_backend() == "cudaMallocAsync":
+        raise NimbleError(
+            f"a {num_streams}-stream capture is not supported under "
+            "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (it aborted the process on "
+            "torch 2.11: a captured allocation freed outside the graph). Use the default "
+            "(native) allocator, or prepare(..., use_multi_stream=False).")
 
 
 def _event_gap_ms(stream: torch.cuda.Stream, count: int = 101) -> float:

@@ -85,3 +85,15 @@ def test_wrapping_and_call_order_errors():
 def test_prepare_without_cuda_says_so():
     with pytest.raises(NimbleError, match="needs a CUDA device"):
         Nimble(nn.ReLU().eval()).prepare(torch.randn(2))
+
+
+def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
+    """Measured on the H200: multi-stream capture under cudaMallocAsync aborts the process."""
+    import nimble.capture as capture
+    from nimble.capture import check_allocator
+    monkeypatch.setattr(capture, "allocator_backend", lambda: "cudaMallocAsync")
+    with pytest.raises(NimbleError, match="use_multi_stream=False"):
+        check_allocator(3)
+    check_allocator(1)                                # single-stream graphs work there
+    monkeypatch.setattr(capture, "allocator_backend", lambda: "native")
+    check_allocator(3)
