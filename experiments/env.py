@@ -44,8 +44,11 @@ def gpu_slug(name: str | None = None) -> str:
 def git_commit() -> str:
     """Short commit hash of the repository, ``+dirty`` with local changes.
 
-    Without git (a copied tree on a GPU host), ``$SUITE_COMMIT`` if set, else ``"unknown"``.
+    ``$SUITE_COMMIT``, when set, wins: a tree copied to a GPU host may carry a stale ``.git``
+    (it reported the base commit ``+dirty`` there). Without either, ``"unknown"``.
     """
+    if os.environ.get("SUITE_COMMIT"):
+        return os.environ["SUITE_COMMIT"]
     try:
         def git(*args: str) -> str:
             return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
@@ -54,7 +57,7 @@ def git_commit() -> str:
         dirty = git("status", "--porcelain", "--untracked-files=no")
         return commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("SUITE_COMMIT", "unknown")
+        return "unknown"
 
 
 def _driver_version() -> str:

@@ -117,3 +117,17 @@ def test_concurrent_writers_never_corrupt_the_file(tmp_path):
     assert {(r["model"], r["batch_size"]) for r in rows} == {
         (f"m{w}", str(i + 1)) for w in range(4) for i in range(50)}
     assert all(r["reason"] == "x" * 2000 for r in rows)
+
+
+def test_suite_commit_overrides_what_git_says(monkeypatch):
+    """A tree copied to a GPU host can carry a stale .git: $SUITE_COMMIT must win."""
+    from experiments import env
+    env.git_commit.cache_clear()
+    monkeypatch.setenv("SUITE_COMMIT", "abc1234")
+    try:
+        assert env.git_commit() == "abc1234"
+        monkeypatch.delenv("SUITE_COMMIT")
+        env.git_commit.cache_clear()
+        assert env.git_commit() != "abc1234" and env.git_commit()
+    finally:
+        env.git_commit.cache_clear()
