@@ -269,8 +269,10 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
         assert float(r["peak_mem_mb"]) > 0 and r["extra"]["msr"] is not None
         assert r["extra"]["peak_reserved_mb"] >= float(r["peak_mem_mb"])
     assert rows["vanilla"]["extra"]["msr"] == 0
+    # 1e-6 of an H200 is ~140 KB; the step must need a new segment for the cap to bite (a
+    # tiny step fits in the free part of the 2 MB segment that already holds the inputs)
     cfg = _cfg(tmp_path, "experiment.methods=[vanilla]", "experiment.memory_fraction=1e-6",
-               device="cuda")
+               "experiment.image_size=512", device="cuda")
     run.run_config(cfg)
     capped = [r for r in read_rows(tmp_path / gpu / "tensile.csv") if "memfrac" in r["mode"]]
     assert capped[0]["status"] == "error"

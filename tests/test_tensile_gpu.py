@@ -13,20 +13,12 @@ from tensile.step import training_step
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("deterministic_cudnn"),    # bit-identity needs deterministic kernels
     pytest.mark.skipif(not torch.cuda.is_available(),
                        reason="TENSILE's runtime copies on CUDA streams: needs a CUDA GPU"),
 ]
 
 STEPS = 20
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    """Bit-identity needs deterministic kernels (no atomics in conv backward)."""
-    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    yield
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
 
 
 def make_cnn(width: int = 32, depth: int = 6) -> nn.Module:
