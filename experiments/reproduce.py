@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TRACE_MODEL", "plan", "main"]
+__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TENSILE_MULTI", "TRACE_MODEL", "plan", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "results"
@@ -31,6 +31,10 @@ GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "paper
 # backends (which record "unavailable" rows with their reason).
 CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",
              "backends=[eager,torchscript,onnxruntime,inductor,nimble-single,nimble]"]
+# TENSILE with several jobs on one GPU (experiments/tensile_multi.py): the authors' settings.
+TENSILE_MULTI = [["--scenario", "copies", "--copies", "1,2,3", "--batch", "2"],
+                 ["--scenario", "mdw", "--batch", "2"],
+                 ["--scenario", "dynamic", "--batch", "2"]]
 # The model whose multi-stream replay is traced for the Gantt plot (6 streams in the analysis).
 TRACE_MODEL = "inception_v3"
 
@@ -53,6 +57,9 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
     if cuda:
         steps = [analysis]
         steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
+        steps += [(f"TENSILE, several jobs: {' '.join(args)}",
+                   [sys.executable, "-m", "experiments.tensile_multi", *args])
+                  for args in TENSILE_MULTI]
         from experiments.env import gpu_slug
         trace = RESULTS / gpu_slug() / f"trace_{TRACE_MODEL}_nimble.json"
         if not trace.exists():  # re-measures one row (redo) to record its trace
@@ -61,6 +68,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         return steps + [report], []
     steps = [analysis, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
+    skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append(f"profiler trace of {TRACE_MODEL}: needs a CUDA GPU")
     skipped.append("claims: decided only by full-protocol GPU rows; reports for GPU folders were "
                    "rebuilt from the committed rows, not re-measured")

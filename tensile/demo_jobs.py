@@ -120,16 +120,6 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (a scheduler then removes its socket file), SIGKILL if that is not enough."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            _kill(proc)
-
-
 def run_demo(socket_path: Path | None, n_jobs: int, steps: int, kill: str, delay_s: float,
              timeout_s: float) -> int:
     """Start the scheduler and the jobs, follow them, print the summary; 0 when all is well."""
@@ -199,7 +189,7 @@ def run_demo(socket_path: Path | None, n_jobs: int, steps: int, kill: str, delay
         events.append(f"timeout after {timeout_s:g} s: stopping everything")
     finally:
         for p in procs:  # only what this run started, each by its own handle
-            _stop(p)
+            server.stop_process(p)
         _print_summary(jobs, events, server_log, steps)
         shutil.rmtree(work, ignore_errors=True)
     ok = all(j.killed_at is not None or (j.steps == steps and j.identical and j.same_losses)

@@ -424,6 +424,17 @@ def is_listening(path: str | Path) -> bool:
         probe.close()
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (a scheduler then removes its socket file), SIGKILL if that is not enough."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait(10)
+
+
 def spawn(path: str | Path, *args: str, log: Path | None = None, env: dict | None = None,
           timeout_s: float | None = 60.0) -> subprocess.Popen:
     """Start ``python -m tensile.server --socket path *args`` in a new process and wait until
@@ -440,6 +451,7 @@ def spawn(path: str | Path, *args: str, log: Path | None = None, env: dict | Non
     while deadline is not None and not is_listening(path):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait(10)  # reaped: no zombie left behind
             detail = f"; see {log}:\n{Path(log).read_text()}" if log is not None else ""
             raise RuntimeError(f"the scheduler did not come up (exit code {proc.poll()}){detail}")
         time.sleep(0.1)

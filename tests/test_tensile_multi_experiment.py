@@ -1,0 +1,253 @@
+"""The several-jobs TENSILE harness (experiments.tensile_multi) in its CPU smoke mode.
+
+Real job processes and a real scheduler process train mobilenet_v2 at 32x32, batch 2, a few
+steps each (the runtime's simulation mode; RSS instead of GPU memory).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+import types
+
+import pytest
+
+from experiments import tensile_multi as tm
+from experiments.store import COLUMNS, read_rows
+
+SMOKE = ["--device", "cpu", "--batch", "2", "--warmup", "2", "--iters", "3", "--timeout", "240"]
+
+
+def _rows(results_dir) -> list[dict]:
+    rows = read_rows(results_dir / "cpu" / "tensile_multi.csv")
+    for r in rows:
+        r["extra"] = json.loads(r["extra"]) if r["extra"] else {}
+    return rows
+
+
+def _events(path) -> list[tuple[str, str]]:
+    with open(path, newline="") as f:
+        return [(r["phase"], r["event"]) for r in csv.DictReader(f) if r["event"]]
+
+
+@pytest.fixture(scope="module")
+def copies2(tmp_path_factory):
+    """One setting: two concurrent copies of mobilenet_v2, both phases."""
+    out = tmp_path_factory.mktemp("copies2")
+    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
+            "--results-dir", str(out), *SMOKE]
+    assert tm.main(args) == 0
+    return out, args
+
+
+# --------------------------------------------------------------------------- whole runs
+
+def test_rows_for_every_job_and_the_gpu(copies2):
+    out, _ = copies2
+    assert list(read_rows(out / "cpu" / "tensile_multi.csv")[0]) == COLUMNS
+    rows = {r["backend"]: r for r in _rows(out)}
+    assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert r["experiment"] == "tensile_multi" and r["device"] == "cpu"
+        assert r["mode"] == "copies:mobilenet_v2x2,img=32"
+        assert isinstance(r["extra"]["eor"], float)
+        # arrival of the other job (and the first measurement) re-plan every job
+        assert r["extra"]["replans"] >= 1
+    for name in ("mobilenet_v2-1", "mobilenet_v2-2"):
+        e = rows[name]["extra"]
+        assert e["job"] == name and e["weight"] == 1.0 and e["copies"] == 2
+        assert float(rows[name]["median_ms"]) > 0 and e["iter_ms_median_vanilla"] > 0
+        assert e["measured_iters_vanilla"] == e["measured_iters_tensile"] == 3
+        assert len(e["plan_versions"]) == e["replans"] + 1
+        assert e["msr_alloc"] is None and e["peak_alloc_tensile_mb"] is None  # no GPU
+        assert e["bytes_swapped"] >= 0 and e["passive_swapins"] >= 0
+    gpu = rows["GPU"]["extra"]
+    assert gpu["memory_source"] == "rss" and "RSS" in gpu["memory_note"]
+    assert isinstance(gpu["msr_nvml"], float)
+    assert gpu["replan_kinds"]["arrival"] == 2 and gpu["replan_kinds"]["first_measurement"] >= 1
+
+
+def test_timeline_and_plot_with_arrivals_and_exits(copies2):
+    out, _ = copies2
+    timeline = out / "cpu" / "tensile_multi_timeline_copies_mobilenet_v2x2_img_32.csv"
+    png = out / "cpu" / "tensile_multi_copies_mobilenet_v2x2_img_32.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(timeline, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["phase", "t_s", "used_mb", "event"]
+        samples = list(reader)
+    assert sum(not r["event"] for r in samples) > 10   # plain samples every ~20 ms
+    events = _events(timeline)
+    for phase in ("vanilla", "tensile"):
+        for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
+            for kind in ("start", "arrive", "ready", "exit"):
+                assert (phase, f"{kind} {job}") in events
+
+
+def test_a_rerun_skips_stored_settings(copies2, capsys, monkeypatch):
+    out, args = copies2
+    before = len(_rows(out))
+    calls = []
+
+    def run_setting(setting, *args):
+        calls.append(setting.label)
+        return [{"mode": setting.label, "backend": "GPU", "status": "ok", "extra": ""}]
+
+    monkeypatch.setattr(tm, "run_setting", run_setting)
+    assert tm.main(args) == 0
+    assert calls == [] and len(_rows(out)) == before
+    assert "already measured" in capsys.readouterr().out
+    assert tm.main([*args, "--redo"]) == 0
+    assert calls == ["copies:mobilenet_v2x2,img=32"]
+
+
+def test_a_crashing_job_is_an_error_row_and_the_others_finish(tmp_path):
+    opts = tm.Options(device="cpu", warmup=2, iters=3, results_dir=tmp_path, timeout_s=240)
+    steps = opts.warmup + opts.iters
+    setting = tm.Setting("mdw", "mdw:crash-test,img=32",
+                         [tm.JobSpec("good-1", "mobilenet_v2", steps),
+                          tm.JobSpec("bad-1", "no_such_model", steps)])
+    written = tm.run([setting], opts, tm._probe("cpu"))
+    assert [r["backend"] for r in written] == ["good-1", "bad-1", "GPU"]
+    rows = {r["backend"]: r for r in _rows(tmp_path)}
+    assert rows["good-1"]["status"] == "ok", rows["good-1"]["reason"]
+    bad = rows["bad-1"]
+    assert bad["status"] == "error"
+    assert "vanilla: exit code 1" in bad["reason"] and "no_such_model" in bad["reason"]
+    assert "Traceback" in bad["extra"]["stderr_tail_tensile"]
+    assert rows["GPU"]["status"] == "error" and "bad-1" in rows["GPU"]["reason"]
+
+
+def test_a_setting_over_its_timeout_stops_every_process(tmp_path):
+    psutil = pytest.importorskip("psutil")
+    opts = tm.Options(device="cpu", warmup=2, iters=3, results_dir=tmp_path, timeout_s=2.0)
+    (setting,) = tm.build_settings("copies", ["mobilenet_v2"], [2], opts)
+    tm.run([setting], opts, tm._probe("cpu"))
+    rows = {r["backend"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
+    for name in ("mobilenet_v2-1", "mobilenet_v2-2"):
+        assert rows[name]["status"] == "error"
+        reason = rows[name]["reason"]
+        assert "vanilla: timeout: the setting ran longer than 2 s" in reason
+        assert "tensile: tensile phase failed: TimeoutError" in reason
+    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    assert alive == []
+    assert rows["GPU"]["extra"]["msr_nvml"] is None   # no job ever trained
+
+
+def test_dynamic_arrivals_and_an_early_leaver(tmp_path):
+    args = ["--scenario", "dynamic", "--models", "mobilenet_v2,mobilenet_v2",
+            "--arrive-every", "2", "--results-dir", str(tmp_path), *SMOKE]
+    assert tm.main(args) == 0
+    rows = {r["backend"]: r for r in _rows(tmp_path)}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["reason"] for r in rows.values()]
+    stayer, leaver = rows["mobilenet_v2-1"]["extra"], rows["mobilenet_v2-2"]["extra"]
+    assert leaver["measured_iters_tensile"] == 1          # max(1, iters // 2): leaves early
+    assert stayer["measured_iters_tensile"] >= 3          # trains on until the last one is done
+    kinds = rows["GPU"]["extra"]["replan_kinds"]
+    assert kinds["arrival"] == 2 and kinds["departure"] >= 1
+    timeline = tmp_path / "cpu" / "tensile_multi_timeline_dynamic_mobilenet_v2_mobilenet_v2_every_2_img_32.csv"
+    events = [e for p, e in _events(timeline) if p == "tensile"]
+    # job 2 arrives only after job 1 is ready (and has trained 2 steps); job 1 outlives it
+    assert events.index("ready mobilenet_v2-1") < events.index("arrive mobilenet_v2-2")
+    assert events.index("exit mobilenet_v2-2") < events.index("exit mobilenet_v2-1")
+
+
+# --------------------------------------------------------------------------- pieces
+
+def test_settings_follow_the_scenario_rules():
+    opts = tm.Options(warmup=5, iters=30, image_size=224, budget_bytes=2**30)
+    copies = tm.build_settings("copies", ["vgg16", "resnet50"], [1, 3], opts)
+    assert [s.label for s in copies] == ["copies:vgg16x1,budget=1073741824",
+                                         "copies:vgg16x3,budget=1073741824",
+                                         "copies:resnet50x1,budget=1073741824",
+                                         "copies:resnet50x3,budget=1073741824"]
+    assert [j.job_id for j in copies[1].jobs] == ["vgg16-1", "vgg16-2", "vgg16-3"]
+    assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
+    (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
+    assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
+        ("vgg16-1", 35, True), ("resnet50-1", 20, False), ("vgg16-2", 35, True)]
+    assert dyn.arrive_every == 5
+
+
+def test_settle_index():
+    assert tm.settle_index([50, 30, 11, 10, 10.5, 9.5], 10) == 2
+    assert tm.settle_index([10, 10, 10], 10) == 0
+    assert tm.settle_index([10, 10, 20], 10) is None   # the last one is off: never settled
+
+
+def test_phase_memory_leaves_start_ups_out_of_the_steady_peak():
+    mb = tm.MB
+    samples = [("tensile", 0.0, 100 * mb, ""), ("tensile", 0.1, 100 * mb, "arrive a"),
+               ("tensile", 0.2, 900 * mb, ""),                     # a records: vanilla memory
+               ("tensile", 0.3, 300 * mb, "ready a"), ("tensile", 0.4, 400 * mb, ""),
+               ("tensile", 0.5, 400 * mb, "exit a"), ("vanilla", 0.0, 5 * mb, "")]
+    mem = tm.phase_memory(samples, "tensile")
+    assert mem == {"idle_mb": 100.0, "peak_all_mb": 900.0, "peak_mb": 400.0}
+    assert tm.phase_memory(samples, "nothing")["peak_mb"] is None
+
+
+def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"), nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: ("index", i),
+        nvmlDeviceGetHandleByUUID=lambda u: ("uuid", u),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=123 * tm.MB, handle=h))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    for cvd, gpu_index, handle in [(None, None, ("index", 0)), ("3,1", None, ("index", 3)),
+                                   ("GPU-8f2e", None, ("uuid", "GPU-8f2e")),
+                                   ("3", 1, ("index", 1))]:
+        if cvd is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
+        sampler = tm.MemorySampler("cuda", gpu_index)
+        assert sampler.source == "nvml" and sampler._handle == handle
+        assert sampler.read() == 123 * tm.MB
+        sampler.start("vanilla")
+        sampler.mark("arrive a")
+        time.sleep(0.1)
+        sampler.stop()
+        sampler.close()
+        assert ("vanilla", pytest.approx(0, abs=0.1), 123 * tm.MB, "arrive a") in sampler.samples
+        assert sum(not e for *_, e in sampler.samples) >= 2   # sampled every ~20 ms
+    assert calls.count("init") == calls.count("shutdown") == 4
+    env = tm._child_env(tm.Options(device="cuda", gpu_index=1))
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--scenario", "nope"], ["invalid choice: 'nope'", "copies", "mdw", "dynamic"]),
+    (["--models", "vgg16"], ["--scenario is required; valid: copies, mdw, dynamic"]),
+    (["--scenario", "copies", "--models", "vgg16,nope"], ["unknown model(s) ['nope']; valid: ",
+                                                         "resnet50"]),
+    (["--scenario", "copies", "--copies", "1,0"], ["expected positive integers separated by "
+                                                   "commas, e.g. 1,2,3; got '1,0'"]),
+    (["--scenario", "copies", "--warmup", "1"], ["--warmup must be >= 2", "got 1"]),
+    (["--scenario", "copies", "--models", "vgg16,vgg16"], ["lists a model twice"]),
+    (["--scenario", "mdw", "--models", "vgg16"], ["needs at least 2 models, got ['vgg16']"]),
+    (["--scenario", "copies", "--budget", "lots"], ["expected bytes such as 40G", "'lots'"]),
+    (["--scenario", "copies", "--device", "gpu"], ["invalid choice: 'gpu'", "cuda", "cpu"]),
+    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb and --gpu-index are for "
+                                                    "--device cuda"]),
+    (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
+    (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
+])
+def test_bad_command_lines_exit_2_naming_what_is_expected(argv, expected, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tm.main(argv if "--device" in argv else [*argv, "--device", "cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_on_a_host_without_one_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        tm.main(["--scenario", "copies", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "no usable CUDA GPU; for a smoke run use --device cpu" in capsys.readouterr().err
