@@ -28,7 +28,7 @@ __all__ = [
     "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
-    "write_report", "main", "tensile_metrics", "tensile_verdicts",
+    "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ NOT_GPU_DIRS = {"paper", "analysis"}
 PROTOCOL_WARMUP, PROTOCOL_ITERS = 50, 200  # conf/timing/default.yaml; fewer = smoke
 # Per-experiment protocols where they differ: TENSILE's is 5 warm-up and 50 measured steps
 # (conf/experiment/tensile.yaml), as the TENSILE authors ran it.
-PROTOCOL = {"tensile": (5, 50)}
+PROTOCOL = {"tensile": (5, 50), "tensile_multi": (5, 50)}
 NUMERIC = ["batch_size", "median_ms", "p10_ms", "p90_ms", "mean_ms", "std_ms", "wall_ms", "warmup",
            "iters", "prepare_s", "peak_mem_mb", "graph_mem_mb"]
 GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each other
@@ -291,6 +291,43 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
     return pd.DataFrame(lines)
 
 
+def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One line per setting of the several-jobs experiment (its ``GPU`` row): device-level MSR
+    and EOR, re-plans, and means over its jobs of the allocator MSR, cold-start MSR and
+    iterations to a steady state; for ``copies`` settings the authors' figures (``paper``:
+    ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse."""
+    rows = df[df["experiment"] == "tensile_multi"]
+    out = []
+    for _, g in rows[rows["backend"] == "GPU"].iterrows():
+        e = json.loads(g["extra"]) if g["extra"] else {}
+        jobs = rows[(rows["mode"] == g["mode"]) & (rows["batch_size"] == g["batch_size"])
+                    & (rows["backend"] != "GPU")]
+        extras = [json.loads(x) if x else {} for x in jobs["extra"]]
+
+        def mean(key: str) -> float | None:
+            vals = [x[key] for x in extras if x.get(key) is not None]
+            return round(float(np.mean(vals)), 3) if vals else None
+
+        msr, eor = e.get("msr_nvml"), e.get("eor")
+        line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
+                "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
+                "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
+                "MSR alloc (jobs)": mean("msr_alloc"), "cold-start MSR (jobs)": mean("cold_start_msr"),
+                "iters to steady (jobs)": mean("iters_to_steady")}
+        p = None if paper is None or e.get("scenario") != "copies" else paper[
+            (paper["model"] == g["model"]) & (paper["batch_size"] == g["batch_size"])
+            & (paper["copies"] == e.get("copies"))]
+        if p is not None and len(p):
+            p = p.iloc[0]
+            line.update({"paper MSR": p["msr"], "paper EOR": p["eor"],
+                         "paper cold-start MSR": p["cold_start_msr"], "verdict": "not measured"})
+            if g["status"] == "ok" and not g["smoke"] and msr is not None and eor is not None:
+                ok = msr >= p["msr"] and eor <= p["eor"]
+                line["verdict"] = "reproduced" if ok else "not reproduced"
+        out.append(line)
+    return pd.DataFrame(out)
+
+
 def _prefer_full(sp: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Full-protocol rows if there are any, else the smoke rows (and say so in the title)."""
     full = sp[~sp["smoke"]]
@@ -336,16 +373,21 @@ def plot_training_speedup(df: pd.DataFrame) -> Figure | None:
     if sp.empty:
         return None
     models = list(dict.fromkeys(sp["model"]))
-    backends = _ordered(sp["backend"])
+    # one bar series per (mode, backend): fwd-bwd and whole-step share backend names
+    series = [(mode, b) for mode in sorted(sp["mode"].unique())
+              for b in _ordered(sp[sp["mode"] == mode]["backend"])]
     fig, axes = plt.subplots(1, len(models), figsize=(4 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         m = sp[sp["model"] == model]
         batches = sorted(m["batch_size"].unique())
         x = np.arange(len(batches))
-        width = 0.8 / len(backends)
-        for i, b in enumerate(backends):
-            vals = m[m["backend"] == b].set_index("batch_size")["speedup"].reindex(batches)
-            ax.bar(x + (i - (len(backends) - 1) / 2) * width, vals.to_numpy(dtype=float), width, label=b)
+        width = 0.8 / len(series)
+        for i, (mode, b) in enumerate(series):
+            sel = m[(m["mode"] == mode) & (m["backend"] == b)]
+            vals = sel.set_index("batch_size")["speedup"].reindex(batches)
+            label = b if len(sp["mode"].unique()) == 1 else f"{b} ({mode})"
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, vals.to_numpy(dtype=float), width,
+                   label=label)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(x, [str(b) for b in batches])
         ax.set_xlabel("batch size")
@@ -496,7 +538,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     figures: dict[str, Figure | None] = {}
     for exp, mode, batch in settings(df):
-        if exp == "tensile":          # memory experiment: its own section below
+        if exp in ("tensile", "tensile_multi"):   # memory experiments: own sections below
             continue
         md += [f"## {exp} ({mode}), batch {batch}", "", "Median latency in ms (p10–p90):", "",
                md_table(latency_table(df, exp, mode, batch)), "", "Speedup over eager:", "",
@@ -524,6 +566,15 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "Target: MSR at least the authors', EOR at most half of theirs, and at least 1.2x the "
                    "throughput of the fastest PyTorch built-in whose peak is no higher.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
+
+    if (df["experiment"] == "tensile_multi").any():
+        table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"))
+        md += ["## TENSILE: several jobs on one GPU", "",
+               "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
+               "left out; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
+               "columns are means over the setting's jobs (allocator peaks). `*` = smoke.", "",
+               md_table(table), ""]
+        md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",
