@@ -6,7 +6,7 @@ import torchvision
 from torch import nn
 
 from nimble import Nimble, NimbleError
-from nimble.capture import cap_streams
+from nimble.capture import cap_streams, fold_tiny_isolated_ops
 from nimble.passes import fold_conv_bn
 from nimble.racecheck import find_races
 from nimble.streams import assign_streams
@@ -72,6 +72,22 @@ def test_capped_plan_is_race_free():
     assert set(capped.stream_of) == {0, 1}
     assert find_races(g, capped.stream_of, capped.syncs, trials=20) == []
     assert find_races(g, plan.stream_of, plan.syncs, trials=20) == []
+
+
+def test_batchnorm_counters_do_not_get_streams_of_their_own():
+    """Training-mode BN adds 1 to num_batches_tracked: 53 isolated 8-byte ops in ResNet-50."""
+    from nimble.training import trace_training_forward
+    m = torchvision.models.resnet50(num_classes=10).train()
+    g = trace_training_forward(m, (torch.randn(2, 3, 32, 32),))
+    plan = assign_streams(g.num_nodes, g.edges)
+    folded = fold_tiny_isolated_ops(plan, g)
+    assert plan.num_streams > 50 and folded.num_streams == 2     # the residual branches
+    assert folded.syncs == plan.syncs
+    assert find_races(g, folded.stream_of, folded.syncs, trials=20) == []
+    assert Nimble._make_plan(g, True, None).num_streams == 2
+    # an isolated op that moves real data keeps its own stream
+    heavy = fold_tiny_isolated_ops(plan, g, max_bytes=1)
+    assert heavy.num_streams == plan.num_streams
 
 
 def test_wrapping_and_call_order_errors():
