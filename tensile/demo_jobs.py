@@ -132,8 +132,8 @@ def run_demo(socket_path: Path | None, n_jobs: int, steps: int, kill: str, delay
     jobs: dict[str, _Job] = {}
     events: list[str] = []
     try:
-        server = _start_server(path, server_log, env, deadline)
-        procs.append(server)
+        scheduler = _start_server(path, server_log, env, deadline)
+        procs.append(scheduler)
         lines: queue.Queue = queue.Queue()
         for k in range(n_jobs):
             name = f"job-{k + 1}"
@@ -177,7 +177,7 @@ def run_demo(socket_path: Path | None, n_jobs: int, steps: int, kill: str, delay
                 events.append(f"killed {victim.name} after step {victim.steps}")
                 killed = True
             elif not killed and kill == "scheduler" and job.steps >= steps // 4:
-                _kill(server)
+                _kill(scheduler)
                 events.append(f"killed the scheduler when {name} had done {job.steps} steps; "
                               "restarting it (it takes a few seconds to listen)")
                 procs.append(_start_server(path, server_log, env, None))  # the jobs train on
