@@ -194,6 +194,7 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
         "plan_feasible": after["feasible"], "plan_overhead_ms": after["est_overhead_ms"],
         "budget_mb": None if after["budget_bytes"] is None else after["budget_bytes"] / MB,
         "host_pool_mb": after["host_pool_bytes"] / MB,
+        "stall_ms": after["stall_ms"] - before["stall_ms"],   # timed (measuring) steps only
     }
 
 
@@ -415,6 +416,10 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         extra = fields.setdefault("extra", {})
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
+        if name in SCHEDULED and rates:   # what the planner believed about the machine
+            extra.update(d2h_gbps=round(rates["d2h_bw"] / 1e9, 2),
+                         h2d_gbps=round(rates["h2d_bw"] / 1e9, 2),
+                         peak_tflops=round(rates["peak_flops"] / 1e12, 1))
         if name == "vanilla":
             ref = fields
         if name == "tensile" and fields["status"] == "ok":

@@ -92,6 +92,8 @@ def test_rows_carry_metrics_against_the_same_process_vanilla(small, tmp_path):
         assert ex["passive_share"] == 0 and ex["bytes_moved_per_step"] > 0
         assert ex["planner_ms"] > 0 and ex["replans"] >= 1 and ex["swaps_planned"] > 0
         assert 0 < ex["msr_planned"] < 1
+        assert ex["d2h_gbps"] > 0 and ex["h2d_gbps"] > 0 and ex["stall_ms"] >= 0
+    assert "d2h_gbps" not in rows["checkpoint"]["extra"]
     assert ten["budget"] is None and cap["budget"] == int(ten["planned_peak_mb"] * MB)
 
 
