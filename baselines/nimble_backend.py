@@ -1,4 +1,5 @@
-"""Nimble itself behind the baselines interface: "nimble" (multi-stream) and "nimble-single".
+"""Nimble itself behind the baselines interface: "nimble" (multi-stream), "nimble-single", and
+"nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -24,6 +25,7 @@ class NimbleBackend(Backend):
     supports_training = True
     multi_stream = True
     max_streams: int | None = None
+    memory_limit: float | None = None
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -31,9 +33,10 @@ class NimbleBackend(Backend):
         outputs' ``.backward()`` replays the backward graph into ``.grad``."""
         from nimble import Nimble     # imported here: nimble is not needed to list backends
 
+        limit = None if training else self.memory_limit
         fast = Nimble(model).prepare(example_inputs, training=training,
                                      use_multi_stream=self.multi_stream,
-                                     max_streams=self.max_streams)
+                                     max_streams=self.max_streams, memory_limit=limit)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -82,6 +85,8 @@ def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:
         "weights_mb": round(st.weights_bytes / MB, 1),
         "allocator": st.allocator,
     }
+    if st.notes:
+        fn.extra["notes"] = list(st.notes)
     return fn
 
 
@@ -92,5 +97,15 @@ class NimbleSingleBackend(NimbleBackend):
     multi_stream = False
 
 
+class NimbleMemoryBackend(NimbleBackend):
+    """Multi-stream within 1.2x of eager's peak activation memory (the issue's memory target):
+    streams are halved until the graph fits (``Nimble.prepare(memory_limit=1.2)``)."""
+
+    name = "nimble-mem"
+    memory_limit = 1.2
+    supports_training = False
+
+
 register_backend("nimble", NimbleBackend)
 register_backend("nimble-single", NimbleSingleBackend)
+register_backend("nimble-mem", NimbleMemoryBackend)

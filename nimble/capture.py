@@ -220,7 +220,8 @@ class Nimble:
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
                 use_multi_stream: bool = True, *, fold_bn: bool = True,
-                return_copies: bool = False, max_streams: int | None = None) -> "Nimble":
+                return_copies: bool = False, max_streams: int | None = None,
+                memory_limit: float | None = None) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -237,8 +238,15 @@ class Nimble:
                 static ones the next call overwrites.
             max_streams: cap the number of streams (extra chains are merged round-robin,
                 in chain order; syncs are recomputed so the schedule stays safe).
+            memory_limit: keep the graph's memory within this multiple of eager's peak
+                activation memory by halving the number of streams until it fits (each
+                stream keeps its own working set, see *Memory* below); one stream is the
+                floor, and ``stats.notes`` says when even that does not fit.
         """
         start = time.perf_counter()
+        if memory_limit is not None and not memory_limit > 0:
+            raise NimbleError(f"memory_limit must be a positive multiple of eager's peak, "
+                              f"got {memory_limit!r}")
         inputs = self._check_prepare_args(dummy_input, training)
         self.stats = PrepareStats()
         self._return_copies = return_copies
@@ -273,8 +281,16 @@ class Nimble:
         self._adopt_graph(graph)
 
         # 3. pre-run on the real streams, 4. capture
-        t0 = time.perf_counter()
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
+        self._capture_forward()
+        if memory_limit is not None:
+            self._fit_memory(memory_limit)
+        self.stats.prepare_s = time.perf_counter() - start
+        return self
+
+    def _capture_forward(self) -> None:
+        """Pre-run and capture the inference forward under ``self.plan``."""
+        t0 = time.perf_counter()
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
         cuda_graph = torch.cuda.CUDAGraph()
@@ -293,8 +309,28 @@ class Nimble:
                               f"got {[type(t).__name__ for t in flat]}")
         self._static_outputs = flat
         self._cuda_graph = cuda_graph
-        self.stats.prepare_s = time.perf_counter() - start
-        return self
+
+    def _fit_memory(self, limit: float) -> None:
+        """Halve the streams and capture again until the graph's memory fits ``limit``."""
+        allowed = limit * (self.stats.eager_peak_bytes - self.stats.weights_bytes)
+        tried = []
+        while self.stats.graph_pool_bytes > allowed and self.plan.num_streams > 1:
+            tried.append(f"{self.plan.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB")
+            k = self.plan.num_streams // 2
+            # drop the old graph (its pool goes back to the allocator) before capturing anew
+            self._cuda_graph, self._static_outputs = None, []
+            self.plan = self._make_plan(self.graph, True, k)
+            self._streams = self._streams[:self.plan.num_streams]
+            self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
+            self._capture_forward()
+        if tried:
+            self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB): "
+                                    f"tried {', '.join(tried)}; kept {self.plan.num_streams}")
+        if self.stats.graph_pool_bytes > allowed:
+            self.stats.notes.append(
+                f"memory_limit {limit:g}x eager not met even on one stream "
+                f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB): the "
+                "caching allocator's segments round up what eager's peak counts exactly")
 
     def prepare_step(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
                      dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],

@@ -113,3 +113,31 @@ def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
     check_allocator(1)                                # single-stream graphs work there
     monkeypatch.setattr(capture, "allocator_backend", lambda: "native")
     check_allocator(3)
+
+
+def test_memory_limit_halves_streams_until_the_graph_fits(monkeypatch):
+    """The fallback logic of prepare(memory_limit=...), with a fake capture: one stream's
+    working set is 100 MiB, eager's activations 150 MiB."""
+    m = torchvision.models.googlenet(aux_logits=False, init_weights=True).eval()
+    g = trace_graph(m, torch.randn(1, 3, 64, 64))
+    fast = Nimble(m)
+    fast.graph, fast.plan = g, Nimble._make_plan(g, True, None)
+    fast._streams = [object()] * fast.plan.num_streams
+    fast.stats.weights_bytes, fast.stats.eager_peak_bytes = 10 << 20, 160 << 20
+    captured = []
+
+    def fake_capture():
+        captured.append(fast.plan.num_streams)
+        fast.stats.graph_pool_bytes = fast.plan.num_streams * (100 << 20)
+    monkeypatch.setattr(fast, "_capture_forward", fake_capture)
+    fake_capture()
+    assert captured == [4]
+    fast._fit_memory(1.2)                                 # 180 MiB allowed
+    assert captured == [4, 2, 1] and fast.plan.num_streams == 1
+    assert len(fast._streams) == 1 and fast.stats.num_streams == 1
+    assert "kept 1" in fast.stats.notes[0] and len(fast.stats.notes) == 1
+    assert find_races(g, fast.plan.stream_of, fast.plan.syncs, trials=5) == []
+    fast._fit_memory(0.5)                                 # 75 MiB: not even one stream fits
+    assert "not met even on one stream" in fast.stats.notes[-1]
+    with pytest.raises(NimbleError, match="memory_limit"):
+        Nimble(m).prepare(torch.randn(1, 3, 64, 64), memory_limit=0)

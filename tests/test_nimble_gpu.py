@@ -50,6 +50,21 @@ def test_single_stream_graph_memory_is_eagers(name):
     assert st.graph_pool_bytes <= 1.2 * eager_activations + SEGMENT_SLACK, st
 
 
+@pytest.mark.parametrize("name", ["nasnet_a_mobile", "inception_v3"])
+def test_memory_limit_keeps_the_graph_within_the_limit_or_says_so(name):
+    model = build_model(name).cuda().eval()
+    x = example_input(name, 32, "cuda")
+    fast = Nimble(model).prepare(x, memory_limit=1.2)
+    st = fast.stats
+    allowed = 1.2 * (st.eager_peak_bytes - st.weights_bytes)
+    assert st.graph_pool_bytes <= allowed or st.num_streams == 1, st
+    if st.graph_pool_bytes > allowed:
+        assert "not met even on one stream" in st.notes[-1]
+    with torch.no_grad():
+        ref = model(x)
+    assert rel_err(fast(x), ref) < TOL
+
+
 def test_fewer_streams_use_less_memory():
     model = build_model("nasnet_a_mobile").cuda().eval()
     x = example_input("nasnet_a_mobile", 32, "cuda")
