@@ -1,5 +1,6 @@
 """Nimble itself behind the baselines interface: "nimble" (multi-stream), "nimble-single", and
-"nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed).
+"nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed),
+"nimble-split" (training: convolution weight gradients on side streams).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -26,6 +27,7 @@ class NimbleBackend(Backend):
     multi_stream = True
     max_streams: int | None = None
     memory_limit: float | None = None
+    split_conv_backward = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -36,7 +38,8 @@ class NimbleBackend(Backend):
         limit = None if training else self.memory_limit
         fast = Nimble(model).prepare(example_inputs, training=training,
                                      use_multi_stream=self.multi_stream,
-                                     max_streams=self.max_streams, memory_limit=limit)
+                                     max_streams=self.max_streams, memory_limit=limit,
+                                     split_conv_backward=self.split_conv_backward)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -54,7 +57,8 @@ class NimbleBackend(Backend):
         x, y = example_inputs
         fast = Nimble(model)
         step = fast.prepare_step(x, y, loss_fn, optimizer, use_multi_stream=self.multi_stream,
-                                 max_streams=self.max_streams)
+                                 max_streams=self.max_streams,
+                                 split_conv_backward=self.split_conv_backward)
 
         def fn(inputs: Tensor, target: Tensor) -> Tensor:
             return step((inputs,), target)
@@ -106,6 +110,15 @@ class NimbleMemoryBackend(NimbleBackend):
     supports_training = False
 
 
+class NimbleSplitBackend(NimbleBackend):
+    """Training: multi-stream, and each convolution's weight gradient on a side stream beside
+    its input gradient (``split_conv_backward=True``). Inference: the same as "nimble"."""
+
+    name = "nimble-split"
+    split_conv_backward = True
+
+
 register_backend("nimble", NimbleBackend)
 register_backend("nimble-single", NimbleSingleBackend)
 register_backend("nimble-mem", NimbleMemoryBackend)
+register_backend("nimble-split", NimbleSplitBackend)

@@ -216,12 +216,14 @@ class Nimble:
         self._training = None                 # nimble.training.TrainingCapture when training
         self._use_multi_stream: bool = True
         self._max_streams: int | None = None
+        self._split_conv_backward = False
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
                 use_multi_stream: bool = True, *, fold_bn: bool = True,
                 return_copies: bool = False, max_streams: int | None = None,
-                memory_limit: float | None = None) -> "Nimble":
+                memory_limit: float | None = None,
+                split_conv_backward: bool = False) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -242,6 +244,8 @@ class Nimble:
                 activation memory by halving the number of streams until it fits (each
                 stream keeps its own working set, see *Memory* below); one stream is the
                 floor, and ``stats.notes`` says when even that does not fit.
+            split_conv_backward: (training) compute each convolution's weight gradient on
+                a side stream, beside its input gradient (:mod:`nimble.training`).
         """
         start = time.perf_counter()
         if memory_limit is not None and not memory_limit > 0:
@@ -251,6 +255,7 @@ class Nimble:
         self.stats = PrepareStats()
         self._return_copies = return_copies
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
+        self._split_conv_backward = split_conv_backward
         self._training = None
         self._cuda_graph = None
         if training:
@@ -335,7 +340,8 @@ class Nimble:
     def prepare_step(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
                      dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                      optimizer: torch.optim.Optimizer, use_multi_stream: bool = True, *,
-                     max_streams: int | None = None) -> Callable[..., torch.Tensor]:
+                     max_streams: int | None = None,
+                     split_conv_backward: bool = False) -> Callable[..., torch.Tensor]:
         """Capture one whole training iteration: forward, loss, backward, optimizer step.
 
         Returns ``step(inputs, target) -> loss``; ``loss`` is a static tensor that the
@@ -351,6 +357,7 @@ class Nimble:
             raise NimbleError("dummy_target must be a CUDA tensor (the labels of one batch)")
         self.stats = PrepareStats()
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
+        self._split_conv_backward = split_conv_backward
         self._run_module = self.module
         self._count_weights()
         step = WholeStep(self, inputs, dummy_target, loss_fn, optimizer)

@@ -30,6 +30,9 @@ Hazards, and how each is handled:
   state) as they were: the eager trace runs and the pre-run change them, and are undone
   in place (addresses the graphs use must not change). A fresh optimizer's state is left
   as zeros, which is what a first SGD-with-momentum (dampening 0) or Adam step starts from.
+* ``split_conv_backward=True`` (opt-in): each convolution's weight gradient runs on a side
+  stream beside its input gradient (:class:`ConvBackwardSplitter`): concurrency that
+  autograd's one-call ``convolution_backward`` leaves on the table.
 * Memory across streams in backward: autograd picks the streams there, so the vector
   clocks of :class:`ScheduledMode` cannot see the syncs. With several streams, every
   tensor the backward touches is kept alive until capture ends (no reuse inside the
@@ -50,7 +53,7 @@ from .allocator import GraphMemoryMeter
 from .graph import TaskGraph
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
-__all__ = ["TrainingCapture", "WholeStep", "trace_training_forward"]
+__all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward"]
 
 
 def trace_training_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> TaskGraph:
@@ -81,17 +84,88 @@ class _KeepAlive(TorchDispatchMode):
         return out
 
 
-def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]) -> None:
+class ConvBackwardSplitter(TorchDispatchMode):
+    """Computes each convolution's weight gradient on a side stream, beside its input gradient.
+
+    Autograd computes both in one ``convolution_backward`` call, i.e. one after the other
+    on one stream, although neither needs the other. Here the call is split in two: the
+    weight (and bias) gradient runs on a side stream of the op's stream, forked after
+    everything the op needs; the input gradient runs on the op's stream and the backward
+    goes on. A later op that reads a weight gradient waits for the side stream's event
+    first (the optimizer, after backward, is ordered by the final join). Side streams are
+    created in the uncaptured pre-run and reused by the capture; every tensor involved is
+    kept alive until the join (:class:`_KeepAlive`, the outer mode), so no block is reused
+    while a side stream may still read it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side: dict[int, torch.cuda.Stream] = {}     # op stream handle -> its side stream
+        self.ready: dict[int, torch.cuda.Event] = {}     # storage address -> "computed" event
+        self.waited: set[tuple[int, int]] = set()
+        self.splits = 0
+
+    def reset(self) -> None:
+        """Forget the last backward's gradients (call before each backward)."""
+        self.ready, self.waited, self.splits = {}, set(), 0
+
+    def side_streams(self) -> list[torch.cuda.Stream]:
+        return list(self.side.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._wait_for(args, kwargs)
+        if func is torch.ops.aten.convolution_backward.default and args[10][0] and args[10][1]:
+            return self._split(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _split(self, func, args, kwargs):
+        current = torch.cuda.current_stream()
+        side = self.side.get(current.cuda_stream)
+        if side is None:
+            side = self.side[current.cuda_stream] = torch.cuda.Stream(device=current.device)
+        side.wait_stream(current)                     # grad_output, input, weight are ready
+        with torch.cuda.stream(side):
+            _, grad_weight, grad_bias = func(*args[:10], [False, True, args[10][2]], **kwargs)
+        done = torch.cuda.Event()
+        done.record(side)
+        grad_input, _, _ = func(*args[:10], [True, False, False], **kwargs)
+        for t in (grad_weight, grad_bias):
+            if t is not None:
+                self.ready[t.untyped_storage().data_ptr()] = done
+        self.splits += 1
+        return grad_input, grad_weight, grad_bias
+
+    def _wait_for(self, args, kwargs) -> None:
+        """The current stream waits for any weight gradient this op reads."""
+        if not self.ready:
+            return
+        current = torch.cuda.current_stream()
+        for t in _tensors((args, kwargs)):
+            ptr = t.untyped_storage().data_ptr()
+            event = self.ready.get(ptr)
+            if event is not None and (ptr, current.cuda_stream) not in self.waited:
+                current.wait_event(event)
+                self.waited.add((ptr, current.cuda_stream))
+
+
+def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream],
+                         splitter: ConvBackwardSplitter | None = None) -> None:
     """Run autograd's backward from the origin stream (the current one) and join it back.
 
     With several streams, tensors the backward touches stay alive until every side stream
     has been joined into the origin stream: only then may their blocks be reused.
     """
     origin = streams[0]
-    keep = _KeepAlive() if len(streams) > 1 else contextlib.nullcontext()
-    with keep:
-        torch.autograd.backward(outputs, grad_outputs)
-        for s in streams[1:]:
+    several = len(streams) > 1 or splitter is not None
+    keep = _KeepAlive() if several else contextlib.nullcontext()
+    split = splitter if splitter is not None else contextlib.nullcontext()
+    if splitter is not None:
+        splitter.reset()
+    with keep:                  # outer mode: it also sees the calls the splitter makes
+        with split:
+            torch.autograd.backward(outputs, grad_outputs)
+        for s in [*streams[1:], *(splitter.side_streams() if splitter else [])]:
             origin.wait_stream(s)
 
 
@@ -117,6 +191,12 @@ def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: di
                     v.copy_(before[k]) if k in before else v.zero_()
 
 
+def _note_splits(stats, splitter: ConvBackwardSplitter | None) -> None:
+    if splitter is not None:
+        stats.notes.append(f"split_conv_backward: {splitter.splits} convolution backwards split "
+                           f"over {len(splitter.side)} side stream(s)")
+
+
 def _record_graph_memory(stats, meter: GraphMemoryMeter) -> None:
     """Store the captured graphs' memory in ``stats``; say so where it cannot be read yet.
 
@@ -136,6 +216,7 @@ class TrainingCapture:
 
     def __init__(self, nimble, inputs: tuple[torch.Tensor, ...]) -> None:
         self.nimble = nimble
+        self.splitter = ConvBackwardSplitter() if nimble._split_conv_backward else None
         module = nimble.module
         self.params = [p for p in module.parameters() if p.requires_grad]
         if not self.params:
@@ -161,7 +242,7 @@ class TrainingCapture:
         out = nb._run_scheduled(capture=None, grad=True)
         flat = [t for t in tree_flatten(out)[0]]
         self.static_grad_outputs = [torch.zeros_like(t) for t in flat]
-        torch.autograd.backward(flat, self.static_grad_outputs)
+        _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)
         del out, flat
         torch.cuda.synchronize()
 
@@ -178,8 +259,9 @@ class TrainingCapture:
         with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=origin):
             for s in nb._streams[1:]:
                 s.wait_stream(origin)
-            _backward_on_streams(flat, self.static_grad_outputs, nb._streams)
+            _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)
         _record_graph_memory(nb.stats, meter)
+        _note_splits(nb.stats, self.splitter)
         nb.stats.capture_s = time.perf_counter() - start
         # The captured outputs keep their autograd history (saved activations live in the
         # pool and are rewritten by every replay); callers get detached aliases of them.
@@ -253,6 +335,7 @@ class WholeStep:
                  optimizer: torch.optim.Optimizer, warmup: int = 2) -> None:
         _check_capturable(optimizer)
         self.nimble, self.loss_fn, self.optimizer = nimble, loss_fn, optimizer
+        self.splitter = ConvBackwardSplitter() if nimble._split_conv_backward else None
         module = nimble.module
         saved = _snapshot(module, None)
         saved_opt = {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
@@ -275,7 +358,7 @@ class WholeStep:
         nb = self.nimble
         out = nb._run_module_scheduled_current()
         loss = self.loss_fn(out, self.static_target)
-        _backward_on_streams([loss], None, nb._streams)
+        _backward_on_streams([loss], None, nb._streams, self.splitter)
         self.optimizer.step()
         return loss
 
@@ -294,6 +377,7 @@ class WholeStep:
         self.graph = torch.cuda.CUDAGraph()
         self.static_loss = nb._run_step_captured(self.graph, self._step_body)
         _record_graph_memory(nb.stats, meter)
+        _note_splits(nb.stats, self.splitter)
         nb.stats.capture_s = time.perf_counter() - start
 
     def __call__(self, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:

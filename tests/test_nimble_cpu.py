@@ -141,3 +141,52 @@ def test_memory_limit_halves_streams_until_the_graph_fits(monkeypatch):
     assert "not met even on one stream" in fast.stats.notes[-1]
     with pytest.raises(NimbleError, match="memory_limit"):
         Nimble(m).prepare(torch.randn(1, 3, 64, 64), memory_limit=0)
+
+
+class _FakeStream:
+    """Stands in for torch.cuda.Stream on the CPU: records waits."""
+    log: list = []
+
+    def __init__(self, device=None):
+        self.cuda_stream = id(self)
+        self.device = device
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self, other))
+
+    def wait_event(self, event):
+        self.log.append(("wait_event", self, event))
+
+
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+
+def test_conv_backward_split_gives_the_same_gradients(monkeypatch):
+    """ConvBackwardSplitter's arithmetic and waits, with CUDA streams faked on the CPU."""
+    import contextlib
+
+    from nimble.training import ConvBackwardSplitter, _backward_on_streams
+    main = _FakeStream()
+    _FakeStream.log = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, bias=True))
+    x = torch.randn(2, 3, 10, 10)
+    net(x).square().sum().backward()
+    want = [p.grad.clone() for p in net.parameters()]
+    splitter = ConvBackwardSplitter()
+    for p in net.parameters():          # accumulate into existing grads: an op reads them
+        p.grad.zero_()
+    _backward_on_streams([net(x).square().sum()], None, [main], splitter)
+    assert splitter.splits == 1         # the first conv needs no input gradient
+    for p, w in zip(net.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-6)
+    side = splitter.side[main.cuda_stream]
+    assert ("wait_stream", side, main) in _FakeStream.log            # fork after the inputs
+    assert any(k == "wait_event" and s is main for k, s, _ in _FakeStream.log)  # grads read
+    assert ("wait_stream", main, side) in _FakeStream.log            # joined at the end

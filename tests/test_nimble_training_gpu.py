@@ -92,13 +92,16 @@ def run_against_eager(model, opt, nimble_step, ref, ref_opt, data):
         assert_same_step(ref, model, before, k)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["", "split"])
 @pytest.mark.parametrize("opt_kind", ["sgd", "adam"])
 @pytest.mark.parametrize("name", CIFAR)
-def test_fwd_bwd_training_matches_eager(name, opt_kind):
+def test_fwd_bwd_training_matches_eager(name, opt_kind, split):
     data = batches(STEPS)
     model = without_dropout(cifar_model(name))
     ref = copy.deepcopy(model)
-    fast = Nimble(model).prepare(data[0][0], training=True, use_multi_stream=True)
+    fast = Nimble(model).prepare(data[0][0], training=True, use_multi_stream=True,
+                                 split_conv_backward=split)
+    assert not split or "convolution backwards split" in fast.stats.notes[-1]
     opt, ref_opt = make_opt(opt_kind, model), make_opt(opt_kind, ref)
 
     def nimble_step(x, y):                  # the ordinary loop: zero_grad() sets .grad to None
@@ -110,15 +113,22 @@ def test_fwd_bwd_training_matches_eager(name, opt_kind):
     run_against_eager(model, opt, nimble_step, ref, ref_opt, data)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["", "split"])
 @pytest.mark.parametrize("opt_kind", ["sgd", "adam"])
 @pytest.mark.parametrize("name", CIFAR)
-def test_whole_step_matches_eager(name, opt_kind):
+def test_whole_step_matches_eager(name, opt_kind, split):
     data = batches(STEPS)
     model = without_dropout(cifar_model(name))
     ref = copy.deepcopy(model)
     opt = make_opt(opt_kind, model, capturable=True)
     ref_opt = make_opt(opt_kind, ref, capturable=True)
-    step = Nimble(model).prepare_step(data[0][0], data[0][1], F.cross_entropy, opt)
+    fast = Nimble(model)
+    step = fast.prepare_step(data[0][0], data[0][1], F.cross_entropy, opt,
+                             split_conv_backward=split)
+    if split:   # convolutions whose input needs a gradient (all but the stem) are split
+        n_split = int(fast.stats.notes[-1].split(": ")[1].split()[0])
+        convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+        assert convs // 2 <= n_split < convs, (n_split, convs)
 
     def nimble_step(x, y):
         assert torch.isfinite(step((x,), y))
