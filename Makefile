@@ -41,7 +41,7 @@ wheelhouse: venv
 
 # TVM libraries for an offline GPU host, built here on a CPU host (docs/tvm-offline.md).
 tvm-artifacts: venv
-	$(PY) -m baselines.tvm_build --models resnet50,resnet101,inception_v3,mobilenet_v2,efficientnet_b0,efficientnet_b5,nasnet_a_mobile,nasnet_a_large --batches 1 --target cuda-sm90 --out .artifacts/tvm --ffi-wheel 3.12
+	$(PY) -m baselines.tvm_build --models resnet50,resnet101,inception_v3,mobilenet_v2,efficientnet_b0,efficientnet_b5,nasnet_a_mobile,nasnet_a_large,amoebanet,darts,googlenet,densenet121,pnasnet5large --batches 1,32 --target cuda-sm90 --out .artifacts/tvm --ffi-wheel 3.12 --skip-existing
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -204,9 +204,23 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="MetaSchedule trial budget (needs the target device here; default 0 = dlight)")
     p.add_argument("--no-cuda-graph", action="store_true", help="disable Relax's CUDA-graph rewrite")
     p.add_argument("--fast-math", action="store_true", help="nvcc --use_fast_math (default: strict fp32)")
+    p.add_argument("--skip-existing", action="store_true",
+                   help="keep artifacts already in --out whose manifest has the same target, "
+                        "CUDA-graph, fast-math and tuning settings (build only what is missing)")
     p.add_argument("--ffi-wheel", metavar="PYVER", default=None,
                    help="also download the apache-tvm-ffi wheel for this Python (e.g. 3.12) into <out>/wheels")
     return p.parse_args(argv)
+
+
+def _up_to_date(args: argparse.Namespace, name: str, batch: int) -> bool:
+    """An artifact for ``name`` x ``batch`` exists, built with the settings asked for now."""
+    lib, manifest_path = artifact_paths(args.out, name, batch, args.target)
+    if not (lib.exists() and manifest_path.exists()):
+        return False
+    m = json.loads(manifest_path.read_text())
+    want = {"cuda_graph": not args.no_cuda_graph and args.target != "llvm",
+            "fast_math": args.fast_math, "tune_trials": args.tune_trials}
+    return all(m.get(k) == v for k, v in want.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for name in models:
         for batch in batches:
+            if args.skip_existing and _up_to_date(args, name, batch):
+                print(f"[tvm_build] kept {artifact_paths(args.out, name, batch, args.target)[0]}",
+                      flush=True)
+                continue
             try:
                 model = build_model(name)
                 model._suite_name = name

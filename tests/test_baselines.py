@@ -312,3 +312,20 @@ def test_tvm_cuda_build_on_cpu_host(tmp_path: Path) -> None:
     lib = tmp_path / "True" / "cuda-sm90" / "tiny_b1.so"
     assert lib.exists() and b"__global__" not in lib.read_bytes()  # compiled, not source
     assert "REFUSED" in run(False)
+
+
+def test_tvm_build_skips_only_artifacts_built_with_the_same_settings(tmp_path):
+    import json
+
+    from baselines import tvm_build
+    from baselines.tvm_backend import artifact_paths
+    lib, manifest = artifact_paths(tmp_path, "resnet50", 32, "cuda-sm90")
+    lib.parent.mkdir(parents=True)
+    args = tvm_build._parse_args(["--models", "resnet50", "--batches", "32", "--out", str(tmp_path),
+                                  "--skip-existing"])
+    assert not tvm_build._up_to_date(args, "resnet50", 32)            # nothing built yet
+    lib.write_bytes(b"so")
+    manifest.write_text(json.dumps({"cuda_graph": True, "fast_math": False, "tune_trials": 0}))
+    assert tvm_build._up_to_date(args, "resnet50", 32)
+    fast = tvm_build._parse_args(["--models", "resnet50", "--out", str(tmp_path), "--fast-math"])
+    assert not tvm_build._up_to_date(fast, "resnet50", 32)            # other settings: rebuild
