@@ -1,6 +1,7 @@
 """Nimble itself behind the baselines interface: "nimble" (multi-stream), "nimble-single", and
 "nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed),
-"nimble-split" (training: convolution weight gradients on side streams).
+"nimble-split" (training: convolution weight gradients on side streams), "nimble-inductor"
+(Inductor-compiled segments on Nimble's streams).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -118,7 +119,28 @@ class NimbleSplitBackend(NimbleBackend):
     split_conv_backward = True
 
 
+class NimbleInductorBackend(Backend):
+    """Inductor-compiled segments on Nimble's streams, one CUDA graph (:mod:`nimble.inductor`).
+    Compiles every segment separately: minutes for the NAS nets (hundreds of segments)."""
+
+    name = "nimble-inductor"
+    needs_cuda = True
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        from nimble.inductor import InductorNimble
+
+        fast = InductorNimble(model).prepare(example_inputs)
+
+        def fn(*inputs: Tensor) -> Any:
+            return fast(*inputs)
+
+        fn.extra = dict(fast.stats)
+        return fn
+
+
 register_backend("nimble", NimbleBackend)
 register_backend("nimble-single", NimbleSingleBackend)
 register_backend("nimble-mem", NimbleMemoryBackend)
 register_backend("nimble-split", NimbleSplitBackend)
+register_backend("nimble-inductor", NimbleInductorBackend)
