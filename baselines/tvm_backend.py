@@ -261,6 +261,11 @@ def artifact_paths(root: str | Path, model_name: str, batch: int, target_key: st
     return base.with_suffix(".so"), base.with_suffix(".json")
 
 
+def build_failure_path(lib_path: Path) -> Path:
+    """Where ``tvm_build`` leaves the error of a build that failed (beside the library)."""
+    return lib_path.with_suffix(".failed.txt")
+
+
 def check_manifest(manifest: dict, model: nn.Module, example_inputs: tuple[Tensor, ...]) -> list[str]:
     """The weight names of the artifact, after checking it matches the model and inputs.
 
@@ -451,6 +456,10 @@ class TvmBackend(Backend):
         batch = int(example_inputs[0].shape[0])
         lib_path, manifest_path = artifact_paths(self.artifacts, name, batch, key)
         if not (lib_path.exists() and manifest_path.exists()):
+            failed = build_failure_path(lib_path)
+            if failed.exists():
+                raise BackendUnavailable(f"TVM could not build ({name}, batch {batch}, {key}) on the "
+                                         f"build host: {failed.read_text().strip()}")
             raise BackendUnavailable(
                 f"no TVM artifact for ({name}, batch {batch}, {key}) at {lib_path}; build it on a host with "
                 f"the tvm compiler: python -m baselines.tvm_build --models {name} --batches {batch} "

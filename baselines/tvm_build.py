@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .tvm_backend import (MANIFEST_FORMAT, RUNTIME_LIBS, artifact_paths, check_cuda_binary, compile_relax,
+from .tvm_backend import (MANIFEST_FORMAT, RUNTIME_LIBS, artifact_paths, build_failure_path, check_cuda_binary, compile_relax,
                           cuda_arch, export_to_relax, tune, tvm_target)
 
 __all__ = ["build_artifact", "prepare_cuda_build", "copy_runtime", "download_ffi_wheel", "main"]
@@ -255,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
                 m = build_artifact(model, (x,), name, args.target, args.out, cuda_graph=not args.no_cuda_graph,
                                    tune_trials=args.tune_trials, fast_math=args.fast_math)
                 lib, _ = artifact_paths(args.out, name, batch, args.target)
+                build_failure_path(lib).unlink(missing_ok=True)
                 print(f"[tvm_build] {lib}  {lib.stat().st_size / 2**20:.1f} MiB  {m['build_s']:.0f} s", flush=True)
             except Exception as e:  # keep building the others; report at the end
-                failed.append(f"{name} b{batch}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                failed.append(f"{name} b{batch}: {why}")
                 print(f"[tvm_build] FAILED {failed[-1]}", file=sys.stderr, flush=True)
+                lib, _ = artifact_paths(args.out, name, batch, args.target)
+                lib.parent.mkdir(parents=True, exist_ok=True)   # the GPU run quotes it in its row
+                build_failure_path(lib).write_text(why + "\n")
     if failed:
         print(f"[tvm_build] {len(failed)} failed:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1

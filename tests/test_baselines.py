@@ -272,6 +272,9 @@ def test_tvm_build_cli_reports_failures(tmp_path: Path) -> None:
     from baselines.tvm_build import main
 
     assert main(["--models", "no_such_model", "--target", "llvm", "--out", str(tmp_path)]) == 1
+    from baselines.tvm_backend import artifact_paths, build_failure_path
+    failed = build_failure_path(artifact_paths(tmp_path, "no_such_model", 1, "llvm")[0])
+    assert "no_such_model" in failed.read_text()       # a GPU run's row quotes this
     with pytest.raises(ValueError, match="cuda-smXY"):
         main(["--models", "resnet50", "--target", "cuda -arch=sm_90", "--out", str(tmp_path)])
 
