@@ -75,6 +75,18 @@ def test_matches_eager_on_cpu_and_checks_calls():
 
 
 @pytest.mark.slow
+def test_a_real_multi_branch_model_runs_segment_by_segment_like_eager():
+    """GoogLeNet: 4 streams, 46 segments; aot_eager compiles fast and keeps ATen's numerics."""
+    from experiments.models import build_model, example_input
+    m = build_model("googlenet").eval()
+    x = example_input("googlenet", 1, "cpu")
+    fast = InductorNimble(m).prepare(x, backend="aot_eager")
+    assert fast.stats["streams"] == 4 and fast.stats["segments"] > 20
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), m(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_inductor_segments_match_eager_on_cpu():
     torch.manual_seed(0)
     m = Branchy().eval()
