@@ -143,15 +143,6 @@ def _segment_module(seg: Segment) -> fx.GraphModule:
     return fx.GraphModule(nn.Module(), g)
 
 
-class _Recorder(fx.Interpreter):
-    """Runs the graph once and keeps every node's value (example inputs per segment)."""
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.values[n] = out
-        return out
-
-
 class InductorNimble:
     """Inductor-compiled segments on Nimble's streams, captured into one CUDA graph.
 
@@ -178,24 +169,16 @@ class InductorNimble:
         inputs = tuple(as_tuple(dummy_input))
         gm = trace_aten(self.module, inputs)
         self.segments, self.num_streams = partition(gm, use_multi_stream)
-        rec = _Recorder(gm)
-        rec.values = {}
-        with torch.no_grad():
-            rec.run(*inputs)
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._constants = {n: operator.attrgetter(n.target)(gm)
                            for n in gm.graph.nodes if n.op == "get_attr"}
         self._output = gm.graph.output_node().args[0]
-        t0 = time.perf_counter()
-        for seg in tqdm(self.segments, desc=f"compiling segments ({backend})", unit="seg",
-                        disable=len(self.segments) < 20, leave=False):
+        for seg in self.segments:      # compiled at their first call, in the pre-run below
             seg.fn = torch.compile(_segment_module(seg), backend=backend, fullgraph=True,
                                    dynamic=False)
-            with torch.no_grad():
-                seg.fn(*[rec.values[a] for a in seg.inputs])          # compiles now
-        compile_s = time.perf_counter() - t0
         self._cuda = inputs[0].is_cuda
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
+        t0 = time.perf_counter()
         if self._cuda:
             # the same streams for the pre-run and the capture: cuBLAS and cuDNN keep
             # per-stream workspaces, which must exist before capture begins
@@ -203,8 +186,12 @@ class InductorNimble:
             self._streams = [origin] + [torch.cuda.Stream() for _ in range(self.num_streams - 1)]
             origin.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(origin):
-                self._run()
+                self._run(progress=backend)
             torch.cuda.synchronize()
+        else:
+            self._run(progress=backend)
+        compile_s = time.perf_counter() - t0
+        if self._cuda:
             self._graph = torch.cuda.CUDAGraph()
             origin.wait_stream(torch.cuda.current_stream())
             with torch.cuda.graph(self._graph, stream=origin):
@@ -214,8 +201,11 @@ class InductorNimble:
                       "prepare_s": round(time.perf_counter() - start, 2)}
         return self
 
-    def _run(self) -> Any:
-        """All segments in order, each on its stream after the events it waits for."""
+    def _run(self, progress: str | None = None) -> Any:
+        """All segments in order, each on its stream after the events it waits for.
+
+        ``progress`` (the backend's name) shows a bar: the first run compiles every segment.
+        """
         values: dict[fx.Node, Any] = dict(zip(self._placeholders, self._static_inputs))
         values.update(self._constants)
         events: dict[int, Any] = {}
@@ -223,8 +213,10 @@ class InductorNimble:
         if streams:
             for s in streams[1:]:
                 s.wait_stream(streams[0])
+        order = tqdm(self.segments, desc=f"compiling segments ({progress})", unit="seg",
+                     disable=progress is None or len(self.segments) < 20, leave=False)
         with torch.no_grad():
-            for i, seg in enumerate(self.segments):
+            for i, seg in enumerate(order):
                 args = [values[a] for a in seg.inputs]
                 if streams:
                     stream = streams[seg.stream]
