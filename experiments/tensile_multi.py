@@ -106,9 +106,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from experiments.store import ResultStore, row_key
+from experiments.timing import summarize_ms
 from tensile import server
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
@@ -718,11 +717,7 @@ def _reason_kinds(reasons: list[str]) -> dict[str, int]:
 # --------------------------------------------------------------------------- rows
 
 def _stats(times: Sequence[float]) -> dict[str, float]:
-    a = np.asarray(times, dtype=float)
-    r = lambda v: round(float(v), 4)  # noqa: E731
-    return {"median": r(np.median(a)), "p10": r(np.percentile(a, 10)),
-            "p90": r(np.percentile(a, 90)), "mean": r(a.mean()),
-            "std": r(a.std(ddof=1)) if a.size > 1 else 0.0}
+    return {k.removesuffix("_ms"): v for k, v in summarize_ms(times).items()}
 
 
 def _job_summary(result: dict) -> dict:

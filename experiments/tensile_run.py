@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.run import ConfigError, validate_model_and_batch
+from experiments.timing import summarize_ms
 from experiments.store import ResultStore, row_key
 from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
@@ -285,12 +286,8 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
         extra.update(peak_reserved_mb=round(max(reserved), 1),
                      repeat_peak_mb=[round(p, 1) for p in peaks],
                      repeat_peak_reserved_mb=[round(r, 1) for r in reserved])
-    arr = np.asarray(samples, dtype=float)
-    ms = lambda v: round(float(v), 4)  # noqa: E731
-    return {"status": "ok", "reason": "", "median_ms": ms(np.median(arr)),
-            "p10_ms": ms(np.percentile(arr, 10)), "p90_ms": ms(np.percentile(arr, 90)),
-            "mean_ms": ms(arr.mean()), "std_ms": ms(arr.std(ddof=1)) if arr.size > 1 else 0.0,
-            "wall_ms": ms(np.median(walls)), "prepare_s": round(prepare_s, 3),
+    return {"status": "ok", "reason": "", **summarize_ms(samples),
+            "wall_ms": round(float(np.median(walls)), 4), "prepare_s": round(prepare_s, 3),
             "peak_mem_mb": round(max(peaks), 1) if cuda else None, "extra": extra}
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Timing", "measure", "peak_memory", "allocated_mb"]
+__all__ = ["Timing", "measure", "summarize_ms", "peak_memory", "allocated_mb"]
 
 MB = 2**20
 
@@ -87,6 +87,16 @@ def measure(fn: Callable[..., Any], inputs: Sequence[Any], *, warmup: int = 50, 
         wall_ms=float(np.median(wall_ms)),
         samples=[float(x) for x in samples],
     )
+
+
+def summarize_ms(samples: Sequence[float]) -> dict[str, float]:
+    """``median_ms``, ``p10_ms``, ``p90_ms``, ``mean_ms``, ``std_ms`` of step times in ms,
+    rounded to 0.1 µs (what the result rows store)."""
+    arr = np.asarray(samples, dtype=float)
+    r = lambda v: round(float(v), 4)  # noqa: E731
+    return {"median_ms": r(np.median(arr)), "p10_ms": r(np.percentile(arr, 10)),
+            "p90_ms": r(np.percentile(arr, 90)), "mean_ms": r(arr.mean()),
+            "std_ms": r(arr.std(ddof=1)) if arr.size > 1 else 0.0}
 
 
 def allocated_mb(device: str | torch.device = "cuda") -> float:

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -498,3 +499,11 @@ def test_backend_analysis_goes_into_extra_and_never_sinks_a_row():
     assert run._analysis_of(fn, 1.0) == {"over_critical_path": 2.0}
     fn.analyze = lambda median_ms: 1 / 0
     assert "ZeroDivisionError" in run._analysis_of(fn, 1.0)["analysis_error"]
+
+
+def test_summarize_ms_gives_the_row_statistics():
+    from experiments.timing import summarize_ms
+    s = summarize_ms([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s == {"median_ms": 3.0, "p10_ms": 1.4, "p90_ms": 61.6, "mean_ms": 22.0,
+                 "std_ms": round(statistics.stdev([1, 2, 3, 4, 100]), 4)}
+    assert summarize_ms([2.5])["std_ms"] == 0.0
