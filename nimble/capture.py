@@ -47,7 +47,7 @@ from .passes import fold_conv_bn
 from .streams import StreamPlan, assign_streams, critical_path
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
-__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator",
+__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator", "check_call_inputs",
            "fold_tiny_isolated_ops"]
 
 
@@ -512,18 +512,7 @@ class Nimble:
         return tree_unflatten(outs, self._out_spec)
 
     def _check_call(self, inputs: Sequence[Any]) -> None:
-        if len(inputs) != len(self._static_inputs):
-            raise NimbleError(f"prepared for {len(self._static_inputs)} input(s), "
-                              f"called with {len(inputs)}")
-        for i, (want, x) in enumerate(zip(self._static_inputs, inputs)):
-            if not isinstance(x, torch.Tensor):
-                raise NimbleError(f"input {i}: expected a tensor, got {type(x).__name__}")
-            if x.shape != want.shape or x.dtype != want.dtype or x.device != want.device:
-                raise NimbleError(
-                    f"input {i}: prepared for shape {tuple(want.shape)}, {want.dtype} on "
-                    f"{want.device}; called with shape {tuple(x.shape)}, {x.dtype} on "
-                    f"{x.device}. A captured graph is specialised to its input shapes: "
-                    f"prepare another Nimble object for other shapes.")
+        check_call_inputs(self._static_inputs, inputs)
 
     def replay(self) -> None:
         """Launch the graph on the current stream without touching the inputs (benchmarks)."""
@@ -572,6 +561,22 @@ class Nimble:
         times = list(op_times) if op_times is not None else self.op_times_ms()
         weight, _ = critical_path(self.graph.num_nodes, self.graph.edges, times)
         return weight
+
+
+def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:
+    """Refuse a call whose inputs differ in number, shape, dtype or device from the prepared ones."""
+    if len(inputs) != len(static_inputs):
+        raise NimbleError(f"prepared for {len(static_inputs)} input(s), "
+                          f"called with {len(inputs)}")
+    for i, (want, x) in enumerate(zip(static_inputs, inputs)):
+        if not isinstance(x, torch.Tensor):
+            raise NimbleError(f"input {i}: expected a tensor, got {type(x).__name__}")
+        if x.shape != want.shape or x.dtype != want.dtype or x.device != want.device:
+            raise NimbleError(
+                f"input {i}: prepared for shape {tuple(want.shape)}, {want.dtype} on "
+                f"{want.device}; called with shape {tuple(x.shape)}, {x.dtype} on "
+                f"{x.device}. A captured graph is specialised to its input shapes: "
+                f"prepare another Nimble object for other shapes.")
 
 
 def check_allocator(num_streams: int) -> None:

@@ -36,6 +36,7 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import make_fx
 from tqdm import tqdm
 
+from .capture import check_call_inputs
 from .streams import assign_streams
 from .trace import as_tuple
 
@@ -237,10 +238,8 @@ class InductorNimble:
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if not self.segments:
             raise RuntimeError("call prepare(example_input) first")
-        for i, (static, x) in enumerate(zip(self._static_inputs, inputs)):
-            if x.shape != static.shape or x.dtype != static.dtype or x.device != static.device:
-                raise ValueError(f"input {i}: prepared for {tuple(static.shape)}, {static.dtype} "
-                                 f"on {static.device}; got {tuple(x.shape)}, {x.dtype} on {x.device}")
+        check_call_inputs(self._static_inputs, inputs)
+        for static, x in zip(self._static_inputs, inputs):
             static.copy_(x)
         if self._graph is None:
             return self._run()

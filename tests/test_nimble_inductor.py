@@ -7,6 +7,7 @@ import torch
 import torchvision
 from torch import nn
 
+from nimble import NimbleError
 from nimble.inductor import InductorNimble, partition, trace_aten
 from nimble.streams import assign_streams
 
@@ -68,8 +69,10 @@ def test_matches_eager_on_cpu_and_checks_calls():
         x = torch.randn(2, 3, 16, 16)
         with torch.no_grad():
             torch.testing.assert_close(fast(x), m(x))
-    with pytest.raises(ValueError, match="prepared for"):
+    with pytest.raises(NimbleError, match="prepared for shape"):
         fast(torch.randn(1, 3, 16, 16))
+    with pytest.raises(NimbleError, match="prepared for 1 input"):   # not silently the old input
+        fast()
     with pytest.raises(ValueError, match="eval"):
         InductorNimble(Branchy()).prepare(x)
 
