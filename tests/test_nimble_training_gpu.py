@@ -92,13 +92,24 @@ def run_against_eager(model, opt, nimble_step, ref, ref_opt, data):
         assert_same_step(ref, model, before, k)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["", "split"])
-@pytest.mark.parametrize("opt_kind", ["sgd", "adam"])
-@pytest.mark.parametrize("name", CIFAR)
-def test_fwd_bwd_training_matches_eager(name, opt_kind, split):
-    data = batches(STEPS)
+def each_model_optimizer_and_split(test):
+    """Every CIFAR model x SGD and Adam x with and without the convolution-backward split."""
+    for mark in (pytest.mark.parametrize("name", CIFAR),
+                 pytest.mark.parametrize("opt_kind", ["sgd", "adam"]),
+                 pytest.mark.parametrize("split", [False, True], ids=["", "split"])):
+        test = mark(test)
+    return test
+
+
+def eager_twin(name):
+    """The batches, a dropout-free CIFAR model for Nimble and an identical copy for eager."""
     model = without_dropout(cifar_model(name))
-    ref = copy.deepcopy(model)
+    return batches(STEPS), model, copy.deepcopy(model)
+
+
+@each_model_optimizer_and_split
+def test_fwd_bwd_training_matches_eager(name, opt_kind, split):
+    data, model, ref = eager_twin(name)
     fast = Nimble(model).prepare(data[0][0], training=True, use_multi_stream=True,
                                  split_conv_backward=split)
     assert not split or "convolution backwards split" in fast.stats.notes[-1]
@@ -113,13 +124,9 @@ def test_fwd_bwd_training_matches_eager(name, opt_kind, split):
     run_against_eager(model, opt, nimble_step, ref, ref_opt, data)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["", "split"])
-@pytest.mark.parametrize("opt_kind", ["sgd", "adam"])
-@pytest.mark.parametrize("name", CIFAR)
+@each_model_optimizer_and_split
 def test_whole_step_matches_eager(name, opt_kind, split):
-    data = batches(STEPS)
-    model = without_dropout(cifar_model(name))
-    ref = copy.deepcopy(model)
+    data, model, ref = eager_twin(name)
     opt = make_opt(opt_kind, model, capturable=True)
     ref_opt = make_opt(opt_kind, ref, capturable=True)
     fast = Nimble(model)

@@ -83,12 +83,19 @@ def test_verdicts_not_measured_say_why(verdicts):
     assert (nm["ours"] == "").all()
 
 
+def one_claim(**fields) -> pd.DataFrame:
+    """A claims table of one row: Nimble vs eager speedup on ResNet-50 at batch 1, unless
+    ``fields`` say otherwise."""
+    row = {"claim_id": "c", "text": "", "metric": "speedup", "model": "resnet50",
+           "backend": "nimble", "baseline": "eager", "experiment": "inference",
+           "mode": "inference", "batch_size": 1, "value": 1, "comparison": ">=",
+           "setting": "", "provenance": "", "source": ""}
+    return pd.DataFrame([{**row, **fields}])
+
+
 def test_unavailable_backend_reason_reaches_the_verdict(results):
     df = report.load_rows(results / "h200")
-    claim = pd.DataFrame([{"claim_id": "trt", "text": "x", "metric": "speedup", "model": "resnet50",
-                           "backend": "nimble", "baseline": "tensorrt", "experiment": "inference",
-                           "mode": "inference", "batch_size": 1, "value": 1.2, "comparison": ">=",
-                           "setting": "", "provenance": "", "source": ""}])
+    claim = one_claim(claim_id="trt", text="x", baseline="tensorrt", value=1.2)
     v = report.claim_verdicts(df, claim).iloc[0]
     assert v["verdict"] == "not measured"
     assert v["note"] == "tensorrt unavailable: torch_tensorrt is not installed (pip install torch-tensorrt)"
@@ -96,10 +103,7 @@ def test_unavailable_backend_reason_reaches_the_verdict(results):
 
 def test_unknown_claim_metric_is_an_error(results):
     df = report.load_rows(results / "h200")
-    claim = pd.DataFrame([{"claim_id": "c", "text": "", "metric": "joules", "model": "resnet50",
-                           "backend": "nimble", "baseline": "eager", "experiment": "inference",
-                           "mode": "inference", "batch_size": 1, "value": 1, "comparison": ">=",
-                           "setting": "", "provenance": "", "source": ""}])
+    claim = one_claim(metric="joules")
     with pytest.raises(ValueError, match="unknown metric 'joules'"):
         report.claim_verdicts(df, claim)
 
