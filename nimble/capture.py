@@ -319,12 +319,13 @@ class Nimble:
         """Halve the streams and capture again until the graph's memory fits ``limit``."""
         allowed = limit * (self.stats.eager_peak_bytes - self.stats.weights_bytes)
         tried = []
+        full = self.plan                  # every cap folds this plan's chains (cap_streams)
         while self.stats.graph_pool_bytes > allowed and self.plan.num_streams > 1:
             tried.append(f"{self.plan.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB")
             k = self.plan.num_streams // 2
             # drop the old graph (its pool goes back to the allocator) before capturing anew
             self._cuda_graph, self._static_outputs = None, []
-            self.plan = self._make_plan(self.graph, True, k)
+            self.plan = cap_streams(full, self.graph, k)
             self._streams = self._streams[:self.plan.num_streams]
             self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
             self._capture_forward()
