@@ -37,6 +37,7 @@ from tqdm import tqdm
 from experiments.env import environment, gpu_slug
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
+from experiments.watchdog import stop_if_stuck
 
 log = logging.getLogger(__name__)
 
@@ -380,8 +381,12 @@ def run_config(cfg: DictConfig, on_row: Callable[[dict], None] = lambda row: Non
 
     rows = []
     for name in todo:
+        stuck_row = lambda reason, name=name: store.append(  # noqa: E731
+            {**env, **common, "backend": name, "status": "error", "reason": reason})
         try:
-            fields = measure_backend(name, model, inputs, cfg, device, reference, out_dir)
+            with stop_if_stuck(cfg.get("backend_timeout_s"), stuck_row,
+                               what=f"{name} on {cfg.model.name} b={cfg.batch_size}"):
+                fields = measure_backend(name, model, inputs, cfg, device, reference, out_dir)
         except Exception as exc:  # noqa: BLE001 - a failing backend is a row, never a crash
             log.exception("%s on %s failed", name, cfg.model.name)
             fields = {"status": "error", "reason": _one_line(exc)}

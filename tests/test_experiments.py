@@ -507,3 +507,56 @@ def test_summarize_ms_gives_the_row_statistics():
     assert s == {"median_ms": 3.0, "p10_ms": 1.4, "p90_ms": 61.6, "mean_ms": 22.0,
                  "std_ms": round(statistics.stdev([1, 2, 3, 4, 100]), 4)}
     assert summarize_ms([2.5])["std_ms"] == 0.0
+
+
+# --------------------------------------------------------------------------- stuck backends
+
+# A backend that never returns from prepare (as TorchScript on DenseNet-121 did on CUDA),
+# registered in a child process that then runs the ordinary CLI entry point.
+_STUCK_CHILD = """
+import sys, time
+from baselines.base import Backend, register_backend
+class Stuck(Backend):
+    name = "stuck"
+    def prepare(self, model, example_inputs, training=False):
+        time.sleep(3600)
+register_backend("stuck", Stuck)
+sys.argv = ["experiments.run", *sys.argv[1:]]
+from experiments.run import main
+main()
+"""
+
+
+def test_a_stuck_backend_becomes_an_error_row_and_the_sweep_resumes(tmp_path):
+    pytest.importorskip("baselines.base")
+    args = ["device=cpu", "timing=quick", "model=mobilenet_v2", "experiment.image_size=32",
+            "backends=[stuck,eager]", "backend_timeout_s=3", f"results_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path}/out"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run = lambda: subprocess.run([sys.executable, "-c", _STUCK_CHILD, *args], cwd=REPO, env=env,  # noqa: E731
+                                 capture_output=True, text=True, timeout=240)
+    t0 = time.monotonic()
+    res = run()
+    assert res.returncode == 124, res.stderr[-3000:]
+    assert time.monotonic() - t0 < 200  # stopped, not slept out
+    assert "did not finish within 3 s" in res.stderr
+    assert "in prepare" in res.stderr  # faulthandler's stacks name the stuck frame
+    rows = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
+    assert [(r["backend"], r["status"]) for r in rows] == [("stuck", "error")]
+    assert "backend_timeout_s" in rows[0]["reason"] and "stuck on mobilenet_v2 b=1" in rows[0]["reason"]
+    again = run()  # the same command goes on: the stuck backend is skipped, eager runs
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = ResultStore(tmp_path / "cpu" / "inference.csv").rows()
+    assert [(r["backend"], r["status"]) for r in rows] == [("stuck", "error"), ("eager", "ok")]
+
+
+def test_watchdog_is_silent_when_the_body_finishes_in_time():
+    from experiments.watchdog import stop_if_stuck
+    called = []
+    with stop_if_stuck(0.5, called.append):
+        pass
+    time.sleep(0.8)
+    assert called == []  # the timer was cancelled
+    with stop_if_stuck(None, called.append):  # disabled
+        time.sleep(0.01)
+    assert called == []
