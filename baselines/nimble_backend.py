@@ -1,6 +1,7 @@
 """Nimble itself behind the baselines interface: "nimble" (multi-stream), "nimble-single", and
 "nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed),
-"nimble-split" (training: convolution weight gradients on side streams), "nimble-inductor"
+"nimble-split" (training: convolution weight gradients on side streams), "nimble-cl" (multi-stream,
+module in channels-last memory format), "nimble-inductor"
 (Inductor-compiled segments on Nimble's streams).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
@@ -29,6 +30,7 @@ class NimbleBackend(Backend):
     max_streams: int | None = None
     memory_limit: float | None = None
     split_conv_backward = False
+    channels_last = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -40,7 +42,8 @@ class NimbleBackend(Backend):
         fast = Nimble(model).prepare(example_inputs, training=training,
                                      use_multi_stream=self.multi_stream,
                                      max_streams=self.max_streams, memory_limit=limit,
-                                     split_conv_backward=self.split_conv_backward)
+                                     split_conv_backward=self.split_conv_backward,
+                                     channels_last=self.channels_last)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -119,6 +122,15 @@ class NimbleSplitBackend(NimbleBackend):
     split_conv_backward = True
 
 
+class NimbleChannelsLastBackend(NimbleBackend):
+    """Multi-stream, on a copy of the model in channels-last (NHWC) memory format
+    (``Nimble.prepare(channels_last=True)``): cuDNN's tensor-core convolutions want NHWC."""
+
+    name = "nimble-cl"
+    channels_last = True
+    supports_training = False
+
+
 class NimbleInductorBackend(Backend):
     """Inductor-compiled segments on Nimble's streams, one CUDA graph (:mod:`nimble.inductor`).
     Compiles every segment separately: minutes for the NAS nets (hundreds of segments)."""
@@ -143,4 +155,5 @@ register_backend("nimble", NimbleBackend)
 register_backend("nimble-single", NimbleSingleBackend)
 register_backend("nimble-mem", NimbleMemoryBackend)
 register_backend("nimble-split", NimbleSplitBackend)
+register_backend("nimble-cl", NimbleChannelsLastBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)

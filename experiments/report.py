@@ -42,7 +42,7 @@ NUMERIC = ["batch_size", "median_ms", "p10_ms", "p90_ms", "mean_ms", "std_ms", "
 GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each other
 # Bar order in plots and columns in tables: baselines first, this project last.
 BACKEND_ORDER = ["eager", "torchscript", "onnxruntime", "inductor", "cudagraph", "inductor-cudagraphs",
-                 "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-split", "nimble-inductor"]
+                 "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-cl", "nimble-split", "nimble-inductor"]
 
 
 # --------------------------------------------------------------------------- loading

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, allocator_backend
 from .graph import TaskGraph
-from .passes import fold_conv_bn
+from .passes import fold_conv_bn, to_channels_last
 from .streams import StreamPlan, assign_streams, critical_path
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
@@ -223,7 +223,7 @@ class Nimble:
                 use_multi_stream: bool = True, *, fold_bn: bool = True,
                 return_copies: bool = False, max_streams: int | None = None,
                 memory_limit: float | None = None,
-                split_conv_backward: bool = False) -> "Nimble":
+                split_conv_backward: bool = False, channels_last: bool = False) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -246,12 +246,18 @@ class Nimble:
                 floor, and ``stats.notes`` says when even that does not fit.
             split_conv_backward: (training) compute each convolution's weight gradient on
                 a side stream, beside its input gradient (:mod:`nimble.training`).
+            channels_last: (inference) run a copy of the module in channels-last (NHWC)
+                memory format; calls still take ordinary tensors (the copy into the static
+                input converts them) and outputs keep the layout the module gives them.
         """
         start = time.perf_counter()
         if memory_limit is not None and not memory_limit > 0:
             raise NimbleError(f"memory_limit must be a positive multiple of eager's peak, "
                               f"got {memory_limit!r}")
         inputs = self._check_prepare_args(dummy_input, training)
+        if channels_last and training:
+            raise NimbleError("channels_last is an inference pass; prepare(training=True) "
+                              "does not take it (convert the model yourself before training)")
         self.stats = PrepareStats()
         self._return_copies = return_copies
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
@@ -268,6 +274,9 @@ class Nimble:
         module = self.module
         if fold_bn:
             module, self.stats.folded_conv_bn = fold_conv_bn(module, inputs)
+        if channels_last:   # after folding: the folded weights are converted too
+            module, inputs = to_channels_last(module, inputs)
+            self.stats.notes.append("channels_last: module and static inputs in NHWC")
         self._run_module = module
         self._count_weights()
 

@@ -1,4 +1,5 @@
-"""Optional graph passes Nimble applies before capture (the paper used conv+BN folding).
+"""Optional graph passes Nimble applies before capture (the paper used conv+BN folding;
+``to_channels_last`` is ours: NHWC lets cuDNN pick tensor-core convolution kernels).
 
 Folding is decided from one real run, not from a symbolic trace, so it works on models
 that ``torch.fx`` cannot trace (timm, NAS cells): forward hooks name the storage each
@@ -15,7 +16,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from .trace import OpRecorder, as_tuple
 
-__all__ = ["fold_conv_bn"]
+__all__ = ["fold_conv_bn", "to_channels_last"]
 
 
 def _replacement_for(bn: nn.Module) -> nn.Module:
@@ -86,3 +87,17 @@ def fold_conv_bn(model: nn.Module, example_inputs) -> tuple[nn.Module, int]:
         setattr(parent, name, replacement)
         folded += 1
     return model, folded
+
+
+def to_channels_last(model: nn.Module, example_inputs) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Return a copy of ``model`` with 4-D parameters and buffers in channels-last (NHWC) memory
+    format, and the 4-D example inputs converted the same way (others unchanged).
+
+    Values are untouched, only strides change, so outputs equal NCHW's up to the kernels'
+    round-off. On GPUs with tensor cores cuDNN's NHWC convolutions are the fast ones
+    (torch.compile converts layouts for the same reason). The input module is untouched.
+    """
+    model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+                   for x in as_tuple(example_inputs))
+    return model, inputs

@@ -7,7 +7,7 @@ from torch import nn
 
 from nimble import Nimble, NimbleError
 from nimble.capture import cap_streams, fold_tiny_isolated_ops
-from nimble.passes import fold_conv_bn
+from nimble.passes import fold_conv_bn, to_channels_last
 from nimble.racecheck import find_races
 from nimble.streams import assign_streams
 from nimble.trace import trace_graph
@@ -33,6 +33,21 @@ def test_fold_conv_bn_torchvision_matches_and_leaves_original():
         assert rel_err(folded(x), m(x)) < 1e-5
     g = trace_graph(folded, x)
     assert not any("batch_norm" in node.name for node in g.nodes)
+
+
+def test_channels_last_copy_matches_and_leaves_original():
+    m = torchvision.models.resnet18().eval()
+    x, extra = torch.randn(2, 3, 64, 64), torch.randn(2, 5)
+    cl, (x_cl, extra_out) = to_channels_last(m, (x, extra))
+    assert m.conv1.weight.is_contiguous()                      # original untouched
+    assert cl.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not cl.conv1.weight.is_contiguous()
+    assert x_cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(x_cl, x)
+    assert extra_out is extra                                  # not 4-D: left as it is
+    with torch.no_grad():
+        assert rel_err(cl(x_cl), m(x)) < 1e-5
+    g = trace_graph(cl, x_cl)                                  # Nimble traces the NHWC copy
+    assert len(g.nodes) > 0
 
 
 def test_fold_conv_bn_timm_keeps_fused_activation():

@@ -168,3 +168,25 @@ def test_op_times_and_critical_path():
     assert len(times) == fast.graph.num_nodes and all(t >= 0 for t in times)
     cp = fast.critical_path_ms(times)
     assert 0 < cp <= sum(times)
+
+
+@pytest.mark.parametrize("name", ["inception_v3", "nasnet_a_mobile", "efficientnet_b0"])
+def test_channels_last_matches_eager_and_leaves_the_module_alone(name):
+    model = build_model(name).cuda().eval()
+    strides_before = [p.stride() for p in model.parameters()]
+    fast = Nimble(model).prepare(example_input(name, 8, "cuda"), channels_last=True)
+    assert [p.stride() for p in model.parameters()] == strides_before
+    assert any("channels_last" in n for n in fast.stats.notes)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = example_input(name, 8, "cuda").normal_()   # an ordinary NCHW tensor
+        with torch.no_grad():
+            ref = model(x)
+        assert rel_err(fast(x), ref) < TOL, (name, seed)
+
+
+def test_channels_last_is_refused_for_training():
+    model = build_model("mobilenet_v2").cuda()
+    with pytest.raises(NimbleError, match="channels_last is an inference pass"):
+        Nimble(model).prepare(example_input("mobilenet_v2", 2, "cuda"), training=True,
+                              channels_last=True)
