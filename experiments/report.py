@@ -40,6 +40,8 @@ PROTOCOL = {"tensile": (5, 50), "tensile_multi": (5, 50)}
 NUMERIC = ["batch_size", "median_ms", "p10_ms", "p90_ms", "mean_ms", "std_ms", "wall_ms", "warmup",
            "iters", "prepare_s", "peak_mem_mb", "graph_mem_mb"]
 GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each other
+# Ratios prefer these baselines as measured in the row's own process (see load_rows).
+SAME_RUN_BASELINES = ("eager", "nimble-single")
 # Bar order in plots and columns in tables: baselines first, this project last.
 BACKEND_ORDER = ["eager", "torchscript", "onnxruntime", "inductor", "cudagraph", "inductor-cudagraphs",
                  "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-cl", "nimble-split", "nimble-inductor"]
@@ -64,12 +66,36 @@ def _is_smoke(df: pd.DataFrame) -> pd.Series:
             | (df["iters"].fillna(0) < iters))
 
 
+def _run_id(extra: str) -> str:
+    """The process a row was measured in (``extra.run_id``, written since 2026-11-29), or ''."""
+    try:
+        value = json.loads(extra).get("run_id", "") if extra else ""
+    except (ValueError, AttributeError):
+        return ""
+    return str(value or "")
+
+
+def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ``<baseline>_same_run_ms`` for each of SAME_RUN_BASELINES: the median of that
+    baseline's full-protocol ok row measured in the same process as the row (NaN if none),
+    looked up among all rows, including ones a later measurement of the same key replaced."""
+    ok = df[(df["status"] == "ok") & ~df["smoke"] & (df["run_id"] != "")]
+    for baseline in SAME_RUN_BASELINES:
+        base = ok[ok["backend"] == baseline].drop_duplicates(GROUP + ["run_id"], keep="last")
+        base = base[GROUP + ["run_id", "median_ms"]].rename(
+            columns={"median_ms": f"{baseline}_same_run_ms"})
+        df = df.merge(base, on=GROUP + ["run_id"], how="left")
+        df.loc[df["run_id"] == "", f"{baseline}_same_run_ms"] = np.nan
+    return df
+
+
 def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
     """All rows of one GPU folder, typed, one per measurement key, with a ``smoke`` column.
 
     When a key was measured more than once (``redo=true``), a full-protocol row wins over a
     smoke row and, among equals, the last appended wins. Files that are not result CSVs are
-    skipped.
+    skipped. Rows that carry a ``run_id`` also get ``<baseline>_same_run_ms``, so ratios can
+    use the baseline measured in the same process even when a later run replaced its row.
     """
     frames = []
     for path in sorted(Path(gpu_dir).glob("*.csv")):
@@ -84,7 +110,9 @@ def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df["batch_size"] = df["batch_size"].astype("Int64")
     df["smoke"] = _is_smoke(df)
+    df["run_id"] = df["extra"].map(_run_id)
     df["_order"] = np.arange(len(df))
+    df = _same_run_baselines(df)
     df = df.sort_values(["smoke", "_order"], ascending=[False, True])
     df = df.drop_duplicates(subset=list(KEY_COLUMNS), keep="last")
     return df.sort_values("_order").drop(columns="_order").reset_index(drop=True)
@@ -102,6 +130,9 @@ def speedups(df: pd.DataFrame, baseline: str = "eager") -> pd.DataFrame:
     ok = df[df["status"] == "ok"]
     base = ok[ok["backend"] == baseline][GROUP + ["median_ms", "smoke"]]
     merged = ok.merge(base, on=GROUP, suffixes=("", "_base"))
+    same_run = f"{baseline}_same_run_ms"
+    if same_run in merged:  # the baseline of the row's own process, where there is one
+        merged["median_ms_base"] = merged[same_run].fillna(merged["median_ms_base"])
     merged["speedup"] = merged["median_ms_base"] / merged["median_ms"]
     merged["smoke"] = merged["smoke"] | merged["smoke_base"]
     return merged[GROUP + ["backend", "median_ms", "median_ms_base", "speedup", "smoke"]]
@@ -219,9 +250,11 @@ def _verdict(df: pd.DataFrame, claim: pd.Series) -> tuple[float | None, str, str
         if why:
             return None, "not measured", why
         a = rows[(rows["status"] == "ok") & ~rows["smoke"]].iloc[0]
-        b = base[(base["status"] == "ok") & ~base["smoke"]].iloc[0]
-        ours = float(b["median_ms"] / a["median_ms"])
-        note = f"{claim['baseline']} {b['median_ms']:.3f} ms / {claim['backend']} {a['median_ms']:.3f} ms"
+        b_ms = float(base[(base["status"] == "ok") & ~base["smoke"]].iloc[0]["median_ms"])
+        same_run = a.get(f"{claim['baseline']}_same_run_ms", np.nan)
+        b_ms = b_ms if pd.isna(same_run) else float(same_run)
+        ours = b_ms / float(a["median_ms"])
+        note = f"{claim['baseline']} {b_ms:.3f} ms / {claim['backend']} {a['median_ms']:.3f} ms"
     else:
         raise ValueError(f"claim {claim['claim_id']}: unknown metric {claim['metric']!r}; "
                          "expected speedup or max_prepare_s")

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,6 +56,11 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------- registries
 # Imported when first needed (the model zoo pulls in timm), behind two functions that the tests
 # replace with a tiny model and fake backends.
+
+# One id per process, stored in every row's ``extra.run_id``: rows with the same id were measured
+# in one process, which the report uses to pair each backend with its own eager row.
+RUN_ID = uuid.uuid4().hex[:12]
+
 
 def _models():
     return importlib.import_module("experiments.models")
@@ -354,7 +360,8 @@ def run_config(cfg: DictConfig, on_row: Callable[[dict], None] = lambda row: Non
         return _tensile_run().run(cfg, _models(), device, env, out_dir, on_row)
     store = ResultStore(out_dir / f"{exp.name}.csv")
     common = {"experiment": exp.name, "mode": exp.mode, "model": cfg.model.name,
-              "batch_size": cfg.batch_size, "warmup": cfg.timing.warmup, "iters": cfg.timing.iters}
+              "batch_size": cfg.batch_size, "warmup": cfg.timing.warmup, "iters": cfg.timing.iters,
+              "run_id": RUN_ID}  # not a column: the store files it under extra
     done = store.done_keys(redo=cfg.redo, min_iters=cfg.timing.iters)
     todo = [b for b in cfg.backends if row_key({**common, **env, "backend": b}) not in done]
     skipped = [b for b in cfg.backends if b not in todo]

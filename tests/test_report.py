@@ -200,3 +200,24 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert v.loc["densenet121", "verdict"] == "not measured"
     text = report.write_report(tmp_path / "h200").read_text()
     assert "## TENSILE" in text and "Speedup over eager" not in text
+
+
+def test_ratios_use_the_eager_row_of_the_same_process(tmp_path):
+    """Run A measured eager and nimble; run B later measured eager again (its row replaces A's in
+    the tables). Nimble's speedup and the claim still use run A's eager; rows without a run_id
+    fall back to the last eager row."""
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", model="resnet50", batch_size=1,
+                  status="ok", device="cuda", gpu="NVIDIA H200", warmup=50, iters=200)
+    store.append({**common, "backend": "eager", "median_ms": 4.0, "run_id": "A"})
+    store.append({**common, "backend": "nimble", "median_ms": 1.0, "run_id": "A"})
+    store.append({**common, "backend": "eager", "median_ms": 8.0, "run_id": "B"})
+    store.append({**common, "backend": "cudagraph", "median_ms": 1.6})            # no run_id
+    df = report.load_rows(tmp_path / "h200")
+    assert list(df[df["backend"] == "eager"]["median_ms"]) == [8.0]                 # B's row shown
+    got = report.speedups(df).set_index("backend")["speedup"]
+    assert got["nimble"] == pytest.approx(4.0)          # run A: 4.0 / 1.0
+    assert got["cudagraph"] == pytest.approx(5.0)       # no run: the shown eager, 8.0 / 1.6
+    claims = one_claim(value=3.9)
+    v = report.claim_verdicts(df, claims).iloc[0]
+    assert v["ours"] == "4.00x" and v["verdict"] == "reproduced" and "eager 4.000 ms" in v["note"]
