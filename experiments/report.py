@@ -84,8 +84,7 @@ def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
         base = ok[ok["backend"] == baseline].drop_duplicates(GROUP + ["run_id"], keep="last")
         base = base[GROUP + ["run_id", "median_ms"]].rename(
             columns={"median_ms": f"{baseline}_same_run_ms"})
-        df = df.merge(base, on=GROUP + ["run_id"], how="left")
-        df.loc[df["run_id"] == "", f"{baseline}_same_run_ms"] = np.nan
+        df = df.merge(base, on=GROUP + ["run_id"], how="left")  # rows without run_id: NaN
     return df
 
 
