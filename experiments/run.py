@@ -115,6 +115,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"backends lists a backend twice: {names}")
     if cfg.timing.iters < 1 or cfg.timing.warmup < 0:
         raise ConfigError(f"timing needs iters >= 1 and warmup >= 0, got {dict(cfg.timing)}")
+    limit = cfg.get("backend_timeout_s")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not limit > 0):
+        raise ConfigError(f"backend_timeout_s must be a number of seconds > 0, or null for no "
+                          f"limit; got {limit!r}")
     device = cfg.device.name
     if device not in ("cuda", "cpu"):
         raise ConfigError(f"unknown device {device!r}; valid: cuda, cpu")

@@ -225,6 +225,17 @@ def _config_error(cfg, match):
         run.validate(cfg)
 
 
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "true"])
+def test_backend_timeout_must_be_positive_seconds_or_null(fakes, tmp_path, value):
+    _config_error(_cpu_cfg(tmp_path, f"backend_timeout_s={value}"),
+                  r"backend_timeout_s must be a number of seconds > 0, or null")
+
+
+def test_backend_timeout_accepts_seconds_and_null(fakes, tmp_path):
+    run.validate(_cpu_cfg(tmp_path, "backend_timeout_s=2.5"))
+    run.validate(_cpu_cfg(tmp_path, "backend_timeout_s=null"))
+
+
 def test_unknown_model_lists_valid_choices(fakes, tmp_path):
     _config_error(_cpu_cfg(tmp_path, "model.name=nope"), r"unknown model 'nope'; valid: tiny")
 
