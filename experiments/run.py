@@ -323,11 +323,17 @@ def measure_backend(name: str, model: torch.nn.Module, inputs: tuple, cfg: DictC
             return {**fields, "status": res.status, "reason": res.reason}
         fn = _training_step(model, res.fn, cfg) if training else res.fn
     gc.collect()
-    fields["graph_mem_mb"] = allocated_mb(device) - before_mb  # what the prepared callable holds
+    held_mb = allocated_mb(device) - before_mb  # what the prepared callable holds
+    # Below zero, the prepare freed memory that was held before it (seen with Inductor's
+    # CUDA-graph modes): the difference is no size of the callable's memory, so not stored.
+    fields["graph_mem_mb"] = held_mb if not held_mb < 0 else math.nan
 
     with torch.set_grad_enabled(training):
         extra = _extra_of(fn)
         fields["extra"] = extra
+        if held_mb < 0:
+            extra["graph_mem_note"] = (f"allocated memory fell by {-held_mb:.1f} MiB during "
+                                       "prepare: not a size of the prepared callable's memory")
         if reference is not None and not training:
             err = output_error(reference, fn(*inputs))
             extra["max_rel_err"] = err

@@ -291,6 +291,15 @@ def test_runner_writes_one_row_per_backend_with_reasons(fakes, tmp_path):
     assert "unavailable" in run.format_row(by["tensorrt"])
 
 
+def test_memory_that_falls_during_prepare_is_no_graph_size(fakes, tmp_path, monkeypatch):
+    held = iter([500.0, 400.0, 300.0, 350.0])  # before/after prepare, per backend
+    monkeypatch.setattr(run, "allocated_mb", lambda device: next(held))
+    rows = run.run_config(_cpu_cfg(tmp_path, "backends=[eager,nimble]"))
+    fell, grew = rows
+    assert fell["graph_mem_mb"] == "" and "fell by 100.0 MiB" in json.loads(fell["extra"])["graph_mem_note"]
+    assert float(grew["graph_mem_mb"]) == 50.0 and "graph_mem_note" not in json.loads(grew["extra"])
+
+
 def test_rerun_skips_measured_rows_and_redo_measures_again(fakes, tmp_path):
     cfg = _cpu_cfg(tmp_path, "backends=[eager,nimble]")
     assert len(run.run_config(cfg)) == 2
