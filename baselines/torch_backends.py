@@ -6,9 +6,11 @@ you keep (the same contract as ``torch.cuda.graph`` and Inductor's CUDA Graph Tr
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +24,8 @@ __all__ = [
     "InductorBackend",
     "static_graph_fn",
     "WARMUP_ITERS",
+    "JIT_FUSERS",
+    "FUSER_ENV",
 ]
 
 WARMUP_ITERS = 3  # before capture: cuDNN algorithm choice, lazy init, allocator warm-up
@@ -73,19 +77,95 @@ class EagerBackend(Backend):
         return model if training else _no_grad(model)
 
 
+# TorchScript fusers: "default" leaves PyTorch's settings alone (NNC on CUDA, no fusion on CPU);
+# the others are torch.jit.fuser's names ("fuser1" = NNC, which needs an LLVM-enabled torch on CPU).
+JIT_FUSERS: tuple[str, ...] = ("default", "none", "fuser0", "fuser1")
+FUSER_ENV = "NIMBLE_TORCHSCRIPT_FUSER"  # how a job picks the fuser (the runner builds by name)
+
+# torch.jit.fuser names left out, and why (torch 2.11-2.14).
+_REFUSED_FUSERS = {
+    "fuser2": "nvFuser is gone from TorchScript: torch.jit.fuser('fuser2') only turns every "
+              "fuser off, or is refused by newer torch; use 'none'",
+    "fuser3": "oneDNN Graph is CPU-only and failed inside freeze/optimize_for_inference here",
+}
+
+# name -> (can_fuse_on_cpu, can_fuse_on_gpu, texpr (NNC) enabled, profiling executor and graph
+# optimisation forced on): the flags torch.jit.fuser(name) sets in torch 2.11-2.14 (and oneDNN
+# Graph's llga flag off, as it sets too).
+_FUSER_FLAGS: dict[str, tuple[bool, bool, bool, bool]] = {
+    "none": (False, False, False, False),
+    "fuser0": (True, True, False, False),   # legacy fuser
+    "fuser1": (True, True, True, True),     # NNC (TensorExpr)
+}
+
+
+def check_jit_fuser(fuser: str) -> str:
+    """``fuser`` if it is one of :data:`JIT_FUSERS`; ValueError naming them and ``fuser`` otherwise."""
+    if fuser in JIT_FUSERS:
+        return fuser
+    why = f" ({fuser} left out: {_REFUSED_FUSERS[fuser]})" if fuser in _REFUSED_FUSERS else ""
+    raise ValueError(f"torchscript fuser must be one of {', '.join(map(repr, JIT_FUSERS))}; "
+                     f"got {fuser!r}{why}")
+
+
+@contextlib.contextmanager
+def jit_fuser(name: str) -> Iterator[None]:
+    """Run the block with TorchScript's fuser ``name`` ("default": settings left as they are).
+
+    Sets the same flags as ``torch.jit.fuser(name)`` and restores them after, but skips its
+    calls to the removed nvFuser's setters: those print three C++ warnings per use and cost
+    ~10 us, too much for a context entered around every timed call.
+    """
+    if name == "default":
+        yield
+        return
+    cpu, gpu, texpr, profiling = _FUSER_FLAGS[check_jit_fuser(name)]
+    C = torch._C
+    old = (C._jit_can_fuse_on_cpu(), C._jit_can_fuse_on_gpu(), C._jit_texpr_fuser_enabled(),
+           C._jit_llga_enabled())
+    if profiling:
+        old_executor = C._jit_set_profiling_executor(True)
+        old_optimize = C._get_graph_executor_optimize(True)  # sets, returns the old value
+    C._jit_override_can_fuse_on_cpu(cpu)
+    C._jit_override_can_fuse_on_gpu(gpu)
+    C._jit_set_texpr_fuser_enabled(texpr)
+    C._jit_set_llga_enabled(False)
+    try:
+        yield
+    finally:
+        if profiling:
+            C._jit_set_profiling_executor(old_executor)
+            C._get_graph_executor_optimize(old_optimize)
+        C._jit_override_can_fuse_on_cpu(old[0])
+        C._jit_override_can_fuse_on_gpu(old[1])
+        C._jit_set_texpr_fuser_enabled(old[2])
+        C._jit_set_llga_enabled(old[3])
+
+
 class TorchScriptBackend(Backend):
     """The Nimble paper's TorchScript baseline: trace + freeze + optimize_for_inference.
 
     TorchScript is deprecated in PyTorch 2.x (FutureWarnings, silenced here) but still runs.
+    ``fuser`` (one of :data:`JIT_FUSERS`) picks the fusion pass of the profiling executor;
+    "default" keeps PyTorch's. Anything else is applied around tracing, the warm-up runs and
+    every call of the returned function, since the executor may re-specialise on any call.
+    On CUDA, NNC (the default) stalled on DenseNet-121's second run; "none" avoids it.
     """
 
     name = "torchscript"
+
+    def __init__(self, fuser: str = "default"):
+        self.fuser = check_jit_fuser(fuser)
+
+    def version(self) -> str:
+        base = super().version()
+        return base if self.fuser == "default" else f"{base} (torchscript fuser={self.fuser})"
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
         self._refuse_training(training)
         model.eval()
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), jit_fuser(self.fuser):
             warnings.simplefilter("ignore", FutureWarning)
             traced = torch.jit.trace(model, example_inputs)
             frozen = torch.jit.freeze(traced)
@@ -93,7 +173,21 @@ class TorchScriptBackend(Backend):
             # The profiling executor specialises on the first runs: do them here, not timed.
             for _ in range(WARMUP_ITERS):
                 optimized(*example_inputs)
-        return _no_grad(optimized)
+        if self.fuser == "default":
+            return _no_grad(optimized)
+        fuser = self.fuser
+
+        def run(*inputs: Tensor) -> Any:
+            with torch.no_grad(), jit_fuser(fuser):
+                return optimized(*inputs)
+
+        return run
+
+
+def _torchscript_from_env() -> TorchScriptBackend:
+    """The registered "torchscript": its fuser from ``$NIMBLE_TORCHSCRIPT_FUSER`` (unset or
+    empty: "default"), since the runner builds backends by name alone (as tvm-tuned's budget)."""
+    return TorchScriptBackend(fuser=os.environ.get(FUSER_ENV) or "default")
 
 
 class CudaGraphBackend(Backend):
@@ -244,7 +338,7 @@ def _inductor_max_autotune() -> InductorBackend:
 
 
 register_backend("eager", EagerBackend)
-register_backend("torchscript", TorchScriptBackend)
+register_backend("torchscript", _torchscript_from_env)
 register_backend("cudagraph", CudaGraphBackend)
 register_backend("inductor", InductorBackend)
 register_backend("inductor-cudagraphs", _inductor_reduce_overhead)

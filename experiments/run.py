@@ -113,6 +113,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown backend(s) {unknown}; valid: {', '.join(sorted(registry))}")
     if len(set(names)) != len(names):
         raise ConfigError(f"backends lists a backend twice: {names}")
+    for n in names:  # a backend's own settings (e.g. $NIMBLE_TORCHSCRIPT_FUSER) are checked here
+        try:
+            _backends().get_backend(n)
+        except ValueError as e:
+            raise ConfigError(f"backend {n}: {e}") from None
     if cfg.timing.iters < 1 or cfg.timing.warmup < 0:
         raise ConfigError(f"timing needs iters >= 1 and warmup >= 0, got {dict(cfg.timing)}")
     limit = cfg.get("backend_timeout_s")

@@ -23,6 +23,7 @@ from torch import nn
 
 from baselines import (BACKENDS, Availability, Backend, BackendUnavailable, get_backend, register_backend,
                        try_prepare)
+from baselines.torch_backends import FUSER_ENV, TorchScriptBackend, jit_fuser
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL, ATOL = 1e-4, 1e-5
@@ -189,6 +190,105 @@ def test_register_backend_refuses_a_clash() -> None:
             register_backend("mine-test", _Boom)
     finally:
         BACKENDS.pop("mine-test")
+
+
+# ------------------------------------------------------------------ TorchScript fuser
+
+_FUSER_SEEN: list[tuple[str, bool]] = []  # (where, NNC enabled) as the probe ran
+
+
+@torch.library.custom_op("nimble_test::fuser_probe", mutates_args=())
+def _fuser_probe(x: torch.Tensor) -> torch.Tensor:
+    """An op the traced graph keeps: it runs in Python on every call of the TorchScript module,
+    so it sees the JIT fuser flags in force during calls, not only during tracing."""
+    _FUSER_SEEN.append(("call", torch._C._jit_texpr_fuser_enabled()))
+    return x.clone()
+
+
+class _FuserProbe(Branchy):
+    """Branchy, recording whether NNC is enabled while traced (Python forward) and when called."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _FUSER_SEEN.append(("trace", torch._C._jit_texpr_fuser_enabled()))
+        return super().forward(_fuser_probe(x))
+
+
+def _run_probe(backend: Backend) -> tuple[list[bool], list[bool], str]:
+    """Prepare the probe with ``backend`` on CPU, check it against eager on two inputs; returns
+    NNC's state seen while tracing, while called after prepare, and the version string."""
+    torch.manual_seed(0)
+    model, x = _randomise_bn(_FuserProbe(), 0), _inputs((2, 3, 16, 16))
+    with torch.no_grad():
+        ref, ref2 = model(x), model(x * 2)
+    _FUSER_SEEN.clear()
+    r = try_prepare(backend, model, (x,), "cpu")
+    assert r.status == "ok", r.reason
+    traced = [on for where, on in _FUSER_SEEN if where == "trace"]
+    _FUSER_SEEN.clear()
+    torch.testing.assert_close(r.fn(x), ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(r.fn(x * 2), ref2, rtol=RTOL, atol=ATOL)
+    called = [on for where, on in _FUSER_SEEN if where == "call"]
+    return traced, called, r.version
+
+
+def test_torchscript_fuser_none_is_in_force_while_tracing_and_calling() -> None:
+    before = torch._C._jit_texpr_fuser_enabled()
+    assert before, "NNC is PyTorch's default TorchScript fuser; the probe needs it on to see a change"
+    traced, called, version = _run_probe(TorchScriptBackend(fuser="none"))
+    assert traced and not any(traced)
+    assert len(called) == 2 and not any(called)
+    assert torch._C._jit_texpr_fuser_enabled() == before  # restored after each call
+    assert version == f"torch {torch.__version__} (torchscript fuser=none)"
+
+
+def test_torchscript_default_fuser_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(FUSER_ENV, raising=False)
+    backend = get_backend("torchscript")
+    assert backend.fuser == "default"
+    traced, called, version = _run_probe(backend)
+    assert all(traced) and called == [True, True]  # PyTorch's own setting: NNC on
+    assert version == f"torch {torch.__version__}"
+
+
+@pytest.mark.parametrize("fuser", ["fuser0",
+                                   pytest.param("fuser1", marks=pytest.mark.skipif(
+                                       not torch._C._llvm_enabled(), reason="NNC on CPU needs LLVM"))])
+def test_torchscript_other_fusers_match_eager(fuser: str) -> None:
+    _, called, version = _run_probe(TorchScriptBackend(fuser=fuser))
+    assert called == [fuser == "fuser1"] * 2
+    assert version.endswith(f"(torchscript fuser={fuser})")
+
+
+@pytest.mark.parametrize("name", ["none", "fuser0", "fuser1"])
+def test_jit_fuser_sets_what_torch_jit_fuser_sets(name: str) -> None:
+    C = torch._C
+
+    def flags() -> tuple[bool, ...]:
+        return (C._jit_can_fuse_on_cpu(), C._jit_can_fuse_on_gpu(), C._jit_texpr_fuser_enabled(),
+                C._jit_llga_enabled(), C._get_graph_executor_optimize())
+
+    with torch.jit.optimized_execution(False):  # so forcing optimisation on shows
+        before = flags()
+        with torch.jit.fuser(name):
+            theirs = flags()
+        with jit_fuser(name):
+            ours = flags()
+        assert ours == theirs
+        assert flags() == before
+
+
+def test_torchscript_bad_fuser_is_refused_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError) as e:
+        TorchScriptBackend(fuser="nnc")
+    assert str(e.value) == ("torchscript fuser must be one of 'default', 'none', 'fuser0', 'fuser1'; "
+                            "got 'nnc'")
+    with pytest.raises(ValueError, match="got 'fuser2' .*nvFuser"):
+        TorchScriptBackend(fuser="fuser2")
+    monkeypatch.setenv(FUSER_ENV, "None")
+    with pytest.raises(ValueError, match="got 'None'"):
+        get_backend("torchscript")
+    monkeypatch.setenv(FUSER_ENV, "none")
+    assert get_backend("torchscript").fuser == "none"
 
 
 # ------------------------------------------------------------------ TVM artifacts

@@ -231,6 +231,12 @@ def test_backend_timeout_must_be_positive_seconds_or_null(fakes, tmp_path, value
                   r"backend_timeout_s must be a number of seconds > 0, or null")
 
 
+def test_a_bad_backend_setting_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("NIMBLE_TORCHSCRIPT_FUSER", "nnc")
+    _config_error(_compose(["device=cpu", "backends=[eager,torchscript]", f"results_dir={tmp_path}"]),
+                  r"backend torchscript: torchscript fuser must be one of .*got 'nnc'")
+
+
 def test_backend_timeout_accepts_seconds_and_null(fakes, tmp_path):
     run.validate(_cpu_cfg(tmp_path, "backend_timeout_s=2.5"))
     run.validate(_cpu_cfg(tmp_path, "backend_timeout_s=null"))
