@@ -13,7 +13,8 @@ Lifecycle (TENSILE's cold start and re-planning, reference §3.3):
 2. the first plan uses estimated op times (roofline against measured peak rates);
 3. the first steady step is timed op by op (CUDA events), the estimates are updated by
    EWMA and the job is re-planned; afterwards only the iteration time is watched, and a
-   drift of more than 30 % triggers another timed step and re-plan.
+   drift of more than 30 % (median of the last 5 iterations) triggers another timed
+   step and re-plan.
 
 Several jobs on one GPU (reference §3.6): start ``python -m tensile.server`` once and
 give every job ``scheduler_socket=``. The job then registers its access timeline with

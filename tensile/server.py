@@ -7,7 +7,10 @@ op times, and receive their part of one joint plan (:mod:`tensile.multi`). The s
 re-plans when a job arrives, leaves or disappears (connection closed, e.g. the process
 was killed, or silent for ``--heartbeat-timeout`` seconds), when a job reports its
 first measured iteration, and when a job's iteration time drifts more than 30 % from
-the one its plan assumed. Every re-plan is logged with its reason and sent to every job.
+the one its plan assumed (median of the last 5 iterations, against the median when the
+plan was made; a single iteration time of a job sharing the GPU is too noisy, see
+:class:`tensile.estimate.DriftDetector`). Every re-plan is logged with its reason and
+sent to every job.
 
 One asyncio loop serves all connections; planning runs in a worker thread so that the
 loop keeps answering (a job's ``measured`` is acknowledged before any re-plan it
@@ -34,7 +37,7 @@ from dataclasses import asdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .estimate import DRIFT_THRESHOLD, EWMA_NEW_WEIGHT
+from .estimate import EWMA_NEW_WEIGHT, DriftDetector
 from .multi import JobSpec, JointPlan, plan_jobs
 from .protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, check_length, decode,
                        default_socket_path, encode, timeline_from_wire, validate_job_message)
@@ -61,7 +64,8 @@ class _Job:
     iter_ms: float | None = None
     op_start_ms: list[float] | None = None
     iter_start_s: float | None = None
-    reference_ms: float | None = None  # iteration time the current plan assumed
+    reference_ms: float | None = None  # median iteration time under the current plan
+    drift: DriftDetector = field(default_factory=DriftDetector)  # reported iteration times
     pending_reply: int | None = None   # seq of the register message awaiting its plan
     registered_at: float = field(default_factory=time.monotonic)
 
@@ -73,9 +77,6 @@ class _Job:
             allow_recompute=self.options.get("allow_recompute", True),
             allow_cross_iteration=self.options.get("allow_cross_iteration", True),
             min_bytes=self.options.get("min_swap_bytes", 1))
-
-    def period_ms(self) -> float:
-        return self.iter_ms if self.iter_ms is not None else float(sum(self.op_ms))
 
 
 class SchedulerServer:
@@ -249,6 +250,7 @@ class SchedulerServer:
                    pending_reply=msg.get("seq", -1))
         if "iter_ms" in msg:  # a job that re-registers brings its measurements
             job.measured, job.iter_ms = True, msg["iter_ms"]
+            job.drift.add(job.iter_ms)
             job.iter_start_s = msg.get("iter_start_s")
             job.op_start_ms = self._starts(job, msg.get("op_start_ms"), job.iter_ms)
         self.jobs[jid] = job
@@ -267,17 +269,36 @@ class SchedulerServer:
             w = EWMA_NEW_WEIGHT  # as tensile.estimate.OpTimeModel: 0.9 new + 0.1 old
             job.op_ms = [max(w * m + (1 - w) * e, 1e-6) for m, e in zip(times, job.op_ms)]
         first = not job.measured
-        ref = job.reference_ms
         job.measured, job.iter_ms = True, msg["iter_ms"]
+        job.drift.add(job.iter_ms)
         job.op_start_ms = starts
         if "iter_start_s" in msg:
             job.iter_start_s = msg["iter_start_s"]
         if first:
-            return f"first measurement of {job.job_id} ({job.iter_ms:.2f} ms per iteration)"
-        if ref is not None and abs(job.iter_ms - ref) > DRIFT_THRESHOLD * ref:
-            return (f"drift of {job.job_id}: {job.iter_ms:.2f} ms per iteration, "
-                    f"planned for {ref:.2f} ms")
-        return None
+            reason = f"first measurement of {job.job_id} ({job.iter_ms:.2f} ms per iteration)"
+        else:
+            reason = self._drift_reason(job)
+        if reason is not None:
+            job.reference_ms = None  # no drift test until the re-plan asked for here lands
+        return reason
+
+    @staticmethod
+    def _drift_reason(job: _Job) -> str | None:
+        """The drift re-plan reason, if due (the median of the last reports is off).
+
+        Without a reference (the last plan came before 3 reports, or a re-plan is on its
+        way) the median becomes the reference once 3 reports are in.
+        """
+        ref = job.reference_ms
+        if ref is None:
+            job.reference_ms = job.drift.settled_ms()
+            if job.reference_ms is not None:
+                job.drift.restart()
+            return None
+        if not job.drift.drifted(ref):
+            return None
+        return (f"drift of {job.job_id}: {job.drift.median_ms():.2f} ms per iteration "
+                f"(median of last {job.drift.count}), planned for {ref:.2f} ms")
 
     @staticmethod
     def _starts(job: _Job, starts: list[float] | None, iter_ms: float) -> list[float] | None:
@@ -317,7 +338,9 @@ class SchedulerServer:
             d2h = self.d2h_bw or min(j.d2h_bw for j in jobs)
             h2d = self.h2d_bw or min(j.h2d_bw for j in jobs)
             specs = [j.spec() for j in jobs]
-            periods = {j.job_id: j.period_ms() for j in jobs}  # what this plan assumes
+            # Drift references: the median of the last reports (the planner itself takes
+            # the last report, whose op starts fit its iter_ms); None before 3 reports.
+            references = {j.job_id: j.drift.settled_ms() for j in jobs}
             try:
                 joint = await asyncio.to_thread(
                     plan_jobs, specs, budget_bytes=self.budget_bytes, d2h_bw=d2h, h2d_bw=h2d,
@@ -348,7 +371,8 @@ class SchedulerServer:
             for j in jobs:
                 if self.jobs.get(j.job_id) is not j:
                     continue  # left while we planned; its departure triggered another run
-                j.reference_ms = periods[j.job_id]
+                j.reference_ms = references[j.job_id]
+                j.drift.restart()  # judge the new reference by reports that come after it
                 msg = {"type": "plan", "job_id": j.job_id, "version": self.version,
                        "reason": reason, "plan": asdict(joint.plans[j.job_id]),
                        "joint": summary}

@@ -6,6 +6,7 @@ as ``python -m tensile.server`` in a subprocess and kill it, or kill a job proce
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import signal
@@ -237,21 +238,78 @@ def test_leave_replans_the_others(start_server, clients):
 
 
 def test_drift_over_30_percent_replans_and_under_does_not(start_server, clients):
+    # Single-sample behaviour before: one report of 11.25 ms re-planned. Now the median
+    # of the last 5 reports must drift, from the 3rd report after the reference on.
     srv = start_server()
     c = clients(srv, "a")
     c.register(job_timeline(), bandwidths=BW)
     c.report(7.5, [1.0] * 7 + [0.5])  # first measured iteration: re-plan on measurements
     assert newer(c, 1) and c.reason.startswith("first measurement of a")
     v = c.version
-    for ms in (8.0, 7.0, 9.5):  # within 30 % of 7.5 ms
+    for ms in (8.0, 7.0, 9.5, 7.5, 7.5, 7.5):  # within 30 % of 7.5 ms (the reference)
         c.report(ms)
+    quiet(c, v, srv)
+    c.report(7.5 * 1.5)  # 50 % slower, e.g. a co-runner started: one report is noise ...
+    quiet(c, v, srv)
+    c.report(7.5 * 1.5)
+    c.report(7.5 * 1.5)  # ... three of the last five are not
+    assert newer(c, v)
+    assert c.reason.startswith("drift of a: 11.25 ms per iteration (median of last 5), "
+                               "planned for 7.50 ms"), c.reason
+    assert c.plan.iteration_ms == pytest.approx(11.25)  # the plan uses the measured time
+
+
+# Per-iteration times of a job sharing a GPU with co-runners: -40 % .. +67 % around ~60 ms
+# (as measured on an H200: ResNet-50 batch 2, p10 36 ms, median 59 ms, p90 101 ms).
+NOISY = [60.0, 36.0, 100.0, 58.0, 40.0, 95.0]
+
+
+def quiet(c: TensileClient, version: int, srv: SchedulerServer) -> None:
+    """Assert that no re-plan followed (the scheduler had time to make one)."""
     time.sleep(0.3)
     c.heartbeat()
-    assert c.version == v, f"re-planned without drift: {srv.replans}"
-    c.report(7.5 * 1.5)  # 50 % slower, e.g. a co-runner started
-    assert newer(c, v)
-    assert c.reason.startswith("drift of a: 11.25 ms per iteration, planned for 7.50 ms")
-    assert c.plan.iteration_ms == pytest.approx(11.25)  # the plan uses the measured time
+    assert c.version == version, f"re-planned without drift: {srv.replans}"
+
+
+def measured_job(srv: SchedulerServer, clients, first_ms: float) -> TensileClient:
+    c = clients(srv, "a")
+    c.register(job_timeline(), bandwidths=BW)
+    c.report(first_ms, [1.0] * 7 + [0.5])
+    assert newer(c, 1) and c.reason.startswith("first measurement of a")
+    return c
+
+
+def test_noisy_iteration_times_do_not_replan(start_server, clients):
+    srv = start_server()
+    c = measured_job(srv, clients, 100.0)  # even an outlier as the first measurement
+    v = c.version
+    for ms in NOISY * 8:
+        c.report(ms)
+    quiet(c, v, srv)
+    assert not any("drift" in r for r in srv.replans), srv.replans
+
+
+def test_a_step_change_replans_once_and_the_new_level_becomes_the_reference(start_server,
+                                                                             clients):
+    srv = start_server()
+    c = measured_job(srv, clients, NOISY[0])
+    for ms in NOISY * 3:
+        c.report(ms)
+    v = c.version
+    slower = itertools.cycle([1.6 * t for t in NOISY])  # +60 %, e.g. a co-runner started
+    for _ in range(5):
+        c.report(next(slower))
+        if newer(c, v, timeout=0.5):
+            break
+    else:
+        pytest.fail(f"no drift re-plan within 5 reports of a +60 % step: {srv.replans}")
+    assert c.reason.startswith("drift of a: ") and "(median of last 5)" in c.reason, c.reason
+    v = c.version
+    for _ in range(36):
+        c.report(next(slower))
+    quiet(c, v, srv)
+    assert sum("drift" in r for r in srv.replans) == 1, srv.replans
+    assert srv.jobs["a"].reference_ms == pytest.approx(1.6 * 59.0, rel=0.05)
 
 
 def test_weights_are_honoured_end_to_end(start_server, clients):
