@@ -520,7 +520,21 @@ def _environment_lines(df: pd.DataFrame) -> list[str]:
         f"- TF32 matmul {values('tf32_matmul')}, TF32 cuDNN {values('tf32_cudnn')}, "
         f"cudnn.benchmark {values('cudnn_benchmark')}",
         f"- commits {values('commit')}; measured {dates[0] if dates else '?'} … {dates[-1] if dates else '?'}",
+        *_load_line(df),
     ]
+
+
+def _load_line(df: pd.DataFrame) -> list[str]:
+    """The host's 1-minute load average over the rows that recorded it (since 2026-11-29):
+    eager timings at small batches are CPU-bound, so a loaded host makes eager slower and
+    every speedup over it larger."""
+    extras = [json.loads(e) for e in df["extra"] if e]
+    loads = [(x["host_load_1m"], x["cpus"]) for x in extras if "host_load_1m" in x]
+    if not loads:
+        return []
+    busy = sum(load > cpus for load, cpus in loads)
+    return [f"- host load (1-min average) {min(l for l, _ in loads):g}–{max(l for l, _ in loads):g} "
+            f"over {len(loads)} rows; {busy} measured with more runnable tasks than the process's CPUs"]
 
 
 def _not_measured(df: pd.DataFrame) -> pd.DataFrame:

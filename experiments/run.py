@@ -217,6 +217,12 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return (text[0] if text else type(exc).__name__)[:limit]
 
 
+def host_load() -> dict:
+    """How busy the host's CPUs were, to read beside CPU-bound timings (eager PyTorch at small
+    batches): the 1-minute load average and the CPUs this process may run on (``taskset``)."""
+    return {"host_load_1m": round(os.getloadavg()[0], 2), "cpus": len(os.sched_getaffinity(0))}
+
+
 def _extra_of(fn: Any) -> dict:
     """Backend-specific metrics a prepared callable exposes as ``fn.extra`` (a dict, e.g. Nimble's
     streams and syncs); they go into the row's ``extra`` JSON, never over a measured column."""
@@ -347,6 +353,7 @@ def measure_backend(name: str, model: torch.nn.Module, inputs: tuple, cfg: DictC
                         "reason": f"output differs from eager: max relative error {err:.3g} > "
                                   f"check_tol {cfg.experiment.check_tol}"}
         t = measure(fn, inputs, warmup=cfg.timing.warmup, iters=cfg.timing.iters, device=device)
+        extra.update(host_load())
         peak = peak_memory(fn, inputs, device)
         extra.update(_analysis_of(fn, t.median_ms))
         if cfg.trace and device == "cuda":

@@ -306,6 +306,13 @@ def test_memory_that_falls_during_prepare_is_no_graph_size(fakes, tmp_path, monk
     assert float(grew["graph_mem_mb"]) == 50.0 and "graph_mem_note" not in json.loads(grew["extra"])
 
 
+def test_rows_carry_the_host_load(fakes, tmp_path, monkeypatch):
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (7.5, 1.0, 1.0))
+    row, = run.run_config(_cpu_cfg(tmp_path, "backends=[eager]"))
+    extra = json.loads(row["extra"])
+    assert extra["host_load_1m"] == 7.5 and extra["cpus"] == len(os.sched_getaffinity(0))
+
+
 def test_rerun_skips_measured_rows_and_redo_measures_again(fakes, tmp_path):
     cfg = _cpu_cfg(tmp_path, "backends=[eager,nimble]")
     assert len(run.run_config(cfg)) == 2

@@ -221,3 +221,17 @@ def test_ratios_use_the_eager_row_of_the_same_process(tmp_path):
     claims = one_claim(value=3.9)
     v = report.claim_verdicts(df, claims).iloc[0]
     assert v["ours"] == "4.00x" and v["verdict"] == "reproduced" and "eager 4.000 ms" in v["note"]
+
+
+def test_environment_names_the_host_load_where_rows_recorded_it(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", backend="eager", batch_size=1,
+                  status="ok", device="cuda", gpu="NVIDIA H200", warmup=50, iters=200, median_ms=1.0)
+    store.append({**common, "model": "a", "extra": '{"host_load_1m": 3.5, "cpus": 6}'})
+    store.append({**common, "model": "b", "extra": '{"host_load_1m": 20.0, "cpus": 6}'})
+    store.append({**common, "model": "c", "extra": "{}"})   # rows from before: nothing to say
+    lines = report._environment_lines(report.load_rows(tmp_path / "h200"))
+    assert "- host load (1-min average) 3.5–20 over 2 rows; 1 measured with more runnable tasks " \
+           "than the process's CPUs" in lines
+    df = report.load_rows(tmp_path / "h200")
+    assert not report._load_line(df[df["model"] == "c"])
