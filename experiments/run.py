@@ -220,7 +220,8 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
 def host_load() -> dict:
     """How busy the host's CPUs were, to read beside CPU-bound timings (eager PyTorch at small
     batches): the 1-minute load average and the CPUs this process may run on (``taskset``)."""
-    return {"host_load_1m": round(os.getloadavg()[0], 2), "cpus": len(os.sched_getaffinity(0))}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"host_load_1m": round(os.getloadavg()[0], 2), "cpus": cpus}
 
 
 def _extra_of(fn: Any) -> dict:
