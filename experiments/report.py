@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Iterable
 
@@ -29,6 +30,7 @@ __all__ = [
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
+    "nimble_memory_table",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -151,6 +153,35 @@ def _cell(row: pd.Series | None, value: str) -> str:
     if row["status"] == "error":
         return "error"
     return value + ("*" if row["smoke"] else "")
+
+
+def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per Nimble row: the graph's memory beside eager's, and the distance to the limit.
+
+    From what the capture recorded (``extra``): the graph's pool, the graph's total (weights +
+    pool), eager's footprint measured on the uncaptured run before the capture (weights + its
+    peak; for whole-step training that run also creates the optimizer's state, which the
+    graph's pool does not hold), and, where the backend computed it, the critical-path kernel
+    time and the latency over it. Empty where no row carries them.
+    """
+    out = []
+    for _, r in df[(df["status"] == "ok") & df["backend"].str.startswith("nimble")].iterrows():
+        e = json.loads(r["extra"]) if r["extra"] else {}
+        if "graph_pool_mb" not in e:
+            continue
+        eager = e.get("eager_peak_mb") or math.nan   # 0: not measured (rows before 2026-11-29)
+        total = e.get("graph_mem_mb", math.nan)
+        out.append({"experiment": r["experiment"], "mode": r["mode"], "batch_size": r["batch_size"],
+                    "model": r["model"], "backend": r["backend"], "median_ms": r["median_ms"],
+                    "streams": e.get("streams"), "graph_pool_mb": e["graph_pool_mb"],
+                    "graph_total_mb": total, "eager_peak_mb": eager,
+                    "graph_over_eager": round(total / eager, 2) if eager == eager else math.nan,
+                    "critical_path_ms": e.get("critical_path_ms", math.nan),
+                    "over_critical_path": e.get("over_critical_path", math.nan)})
+    cols = ["experiment", "mode", "batch_size", "model", "backend", "median_ms", "streams",
+            "graph_pool_mb", "graph_total_mb", "eager_peak_mb", "graph_over_eager",
+            "critical_path_ms", "over_critical_path"]
+    return pd.DataFrame(out, columns=cols).sort_values(cols[:5], ignore_index=True)
 
 
 def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
@@ -600,6 +631,15 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         figures["training_speedup.png"] = plot_training_speedup(df)
     if len(df):
         figures["multistream_ablation.png"] = plot_multistream(df)
+
+    memory = nimble_memory_table(df) if len(df) else pd.DataFrame()
+    if len(memory):
+        md += ["## Nimble: graph memory beside eager's, and the distance to the limit", "",
+               "MiB. graph total = weights + the graph's pool; eager peak = weights + the peak of "
+               "the uncaptured run before the capture (whole-step: that run also creates the "
+               "optimizer's state, which the pool does not hold). critical path = single-stream "
+               "kernel time along the heaviest dependency path (inference only); "
+               "over_critical_path = median latency / critical path.", "", md_table(memory), ""]
 
     if (df["experiment"] == "tensile").any():
         metrics = tensile_metrics(df)

@@ -291,6 +291,7 @@ def _training_step(model: torch.nn.Module, forward: Callable, cfg: DictConfig) -
         loss.backward()
         opt.step()
         return loss
+    step.extra = _extra_of(forward)  # the backend's metrics (Nimble's streams, memory) stay on the row
     return step
 
 

@@ -17,12 +17,14 @@ PyTorch has two CUDA allocator backends, chosen once per process before CUDA sta
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+from typing import Iterator
 
 import torch
 
-__all__ = ["allocator_backend", "graph_memory_used", "GraphMemoryMeter"]
+__all__ = ["allocator_backend", "graph_memory_used", "GraphMemoryMeter", "measure_eager_peak"]
 
 _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
 
@@ -86,3 +88,21 @@ class GraphMemoryMeter:
         if self.needs_launch:
             grown += graph_memory_used() - self._graph
         return max(grown, 0)
+
+
+@contextlib.contextmanager
+def measure_eager_peak(stats) -> Iterator[None]:
+    """Store eager's footprint in ``stats`` (a :class:`nimble.capture.PrepareStats`): weights
+    plus the peak the block allocated (``eager_peak_bytes``) and reserved
+    (``eager_reserved_bytes``). The block is the uncaptured run that precedes every capture
+    (the trace, and for training the pre-run's backward or the warm-up steps, which also
+    create the optimizer's state), so a graph's memory can be put beside eager's.
+    """
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    yield
+    torch.cuda.synchronize()
+    stats.eager_peak_bytes = torch.cuda.max_memory_allocated() - base + stats.weights_bytes
+    stats.eager_reserved_bytes = torch.cuda.max_memory_reserved() - base_reserved + stats.weights_bytes

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .allocator import GraphMemoryMeter, allocator_backend
+from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .passes import fold_conv_bn, to_channels_last
 from .streams import StreamPlan, assign_streams, critical_path
@@ -281,16 +281,8 @@ class Nimble:
         self._count_weights()
 
         # 1. trace twice (also the eager warm-up) and measure eager's peak memory
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        graph = trace_graph(module, inputs, check_static=True)
-        torch.cuda.synchronize()
-        self.stats.eager_peak_bytes = torch.cuda.max_memory_allocated() - base \
-            + self.stats.weights_bytes
-        self.stats.eager_reserved_bytes = torch.cuda.max_memory_reserved() - base_reserved \
-            + self.stats.weights_bytes
+        with measure_eager_peak(self.stats):
+            graph = trace_graph(module, inputs, check_static=True)
         # 2. plan
         self._adopt_graph(graph)
 

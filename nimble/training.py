@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .allocator import GraphMemoryMeter
+from .allocator import GraphMemoryMeter, measure_eager_peak
 from .graph import TaskGraph
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
@@ -234,17 +234,17 @@ class TrainingCapture:
     def _capture(self, inputs: tuple[torch.Tensor, ...]) -> None:
         nb = self.nimble
         start = time.perf_counter()
-        graph = trace_training_forward(nb.module, inputs)
-        nb._adopt_graph(graph)
-        nb._static_inputs = tuple(x.detach().clone() for x in inputs)
-        # Pre-run: forward on the real streams, then a backward with zero gradients, to
-        # create handles, pick cuDNN's backward algorithms and warm the allocator.
-        out = nb._run_scheduled(capture=None, grad=True)
-        flat = [t for t in tree_flatten(out)[0]]
-        self.static_grad_outputs = [torch.zeros_like(t) for t in flat]
-        _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)
-        del out, flat
-        torch.cuda.synchronize()
+        with measure_eager_peak(nb.stats):
+            graph = trace_training_forward(nb.module, inputs)
+            nb._adopt_graph(graph)
+            nb._static_inputs = tuple(x.detach().clone() for x in inputs)
+            # Pre-run: forward on the real streams, then a backward with zero gradients, to
+            # create handles, pick cuDNN's backward algorithms and warm the allocator.
+            out = nb._run_scheduled(capture=None, grad=True)
+            flat = [t for t in tree_flatten(out)[0]]
+            self.static_grad_outputs = [torch.zeros_like(t) for t in flat]
+            _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)
+            del out, flat
 
         meter = GraphMemoryMeter()
         self.forward_graph = torch.cuda.CUDAGraph()
@@ -365,12 +365,12 @@ class WholeStep:
     def _capture(self, inputs: tuple[torch.Tensor, ...], warmup: int) -> None:
         nb = self.nimble
         start = time.perf_counter()
-        nb._adopt_graph(trace_training_forward(nb.module, inputs))
-        nb._static_inputs = tuple(x.detach().clone() for x in inputs)
-        for _ in range(warmup):                       # creates optimizer state, warms kernels
-            self.optimizer.zero_grad(set_to_none=True)
-            nb._run_step_uncaptured(self._step_body)
-        torch.cuda.synchronize()
+        with measure_eager_peak(nb.stats):
+            nb._adopt_graph(trace_training_forward(nb.module, inputs))
+            nb._static_inputs = tuple(x.detach().clone() for x in inputs)
+            for _ in range(warmup):                   # creates optimizer state, warms kernels
+                self.optimizer.zero_grad(set_to_none=True)
+                nb._run_step_uncaptured(self._step_body)
         # Gradients are created inside the graph (AccumulateGrad takes the new buffer).
         self.optimizer.zero_grad(set_to_none=True)
         meter = GraphMemoryMeter()

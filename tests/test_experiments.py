@@ -343,10 +343,11 @@ def test_model_name_is_handed_to_the_backend(fakes, tmp_path, monkeypatch):
 
 
 def test_training_fwd_bwd_takes_optimizer_steps(fakes, tmp_path):
-    cfg = _cpu_cfg(tmp_path, "experiment=training", "batch_size=4", "backends=[eager,tensorrt]")
+    cfg = _cpu_cfg(tmp_path, "experiment=training", "batch_size=4", "backends=[eager,tensorrt,nimble]")
     rows = run.run_config(cfg)
-    assert [r["status"] for r in rows] == ["ok", "unavailable"]
+    assert [r["status"] for r in rows] == ["ok", "unavailable", "ok"]
     assert rows[0]["mode"] == "fwd-bwd" and rows[0]["experiment"] == "training"
+    assert json.loads(rows[2]["extra"])["streams"] == 3   # the backend's metrics survive the step
     assert (tmp_path / "cpu" / "training.csv").exists()
 
 

@@ -205,3 +205,19 @@ def test_conv_backward_split_gives_the_same_gradients(monkeypatch):
     assert ("wait_stream", side, main) in _FakeStream.log            # fork after the inputs
     assert any(k == "wait_event" and s is main for k, s, _ in _FakeStream.log)  # grads read
     assert ("wait_stream", main, side) in _FakeStream.log            # joined at the end
+
+
+def test_eager_peak_is_weights_plus_what_the_block_allocated_at_its_peak(monkeypatch):
+    from types import SimpleNamespace
+    from nimble.allocator import measure_eager_peak
+    counters = {"allocated": 100, "reserved": 300, "max_allocated": 0, "max_reserved": 0}
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: counters["reserved"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: counters["max_allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: counters["max_reserved"])
+    stats = SimpleNamespace(weights_bytes=40, eager_peak_bytes=0, eager_reserved_bytes=0)
+    with measure_eager_peak(stats):
+        counters.update(max_allocated=175, max_reserved=420)   # what the eager run reached
+    assert (stats.eager_peak_bytes, stats.eager_reserved_bytes) == (40 + 75, 40 + 120)

@@ -113,6 +113,8 @@ def test_fwd_bwd_training_matches_eager(name, opt_kind, split):
     fast = Nimble(model).prepare(data[0][0], training=True, use_multi_stream=True,
                                  split_conv_backward=split)
     assert not split or "convolution backwards split" in fast.stats.notes[-1]
+    st = fast.stats   # eager's footprint (weights + pre-run peak) beside the graphs' pools
+    assert st.eager_peak_bytes > st.weights_bytes > 0 and st.graph_pool_bytes > 0
     opt, ref_opt = make_opt(opt_kind, model), make_opt(opt_kind, ref)
 
     def nimble_step(x, y):                  # the ordinary loop: zero_grad() sets .grad to None
@@ -136,6 +138,7 @@ def test_whole_step_matches_eager(name, opt_kind, split):
         n_split = int(fast.stats.notes[-1].split(": ")[1].split()[0])
         convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
         assert convs // 2 <= n_split < convs, (n_split, convs)
+    assert fast.stats.eager_peak_bytes > fast.stats.weights_bytes > 0
 
     def nimble_step(x, y):
         assert torch.isfinite(step((x,), y))

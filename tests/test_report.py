@@ -1,6 +1,8 @@
 """The report, from a small fixture of rows with missing, unavailable, failing and smoke backends."""
 from __future__ import annotations
 
+import json
+import math
 import shutil
 from pathlib import Path
 
@@ -235,3 +237,20 @@ def test_environment_names_the_host_load_where_rows_recorded_it(tmp_path):
            "than the process's CPUs" in lines
     df = report.load_rows(tmp_path / "h200")
     assert not report._load_line(df[df["model"] == "c"])
+
+
+def test_nimble_memory_table_puts_graph_memory_beside_eager(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", batch_size=1, status="ok", device="cuda",
+                  gpu="NVIDIA H200", warmup=50, iters=200, median_ms=1.2)
+    store.append({**common, "model": "m", "backend": "eager", "extra": "{}"})
+    store.append({**common, "model": "m", "backend": "nimble", "extra": json.dumps(
+        {"streams": 4, "graph_pool_mb": 30.0, "graph_mem_mb": 50.0, "eager_peak_mb": 40.0,
+         "critical_path_ms": 1.0, "over_critical_path": 1.2})})
+    store.append({**common, "model": "n", "backend": "nimble-single", "extra": json.dumps(
+        {"streams": 1, "graph_pool_mb": 10.0, "graph_mem_mb": 12.0, "eager_peak_mb": 0.0})})
+    table = report.nimble_memory_table(report.load_rows(tmp_path / "h200")).set_index("model")
+    assert list(table.index) == ["m", "n"]            # eager rows carry no graph: left out
+    assert table.loc["m", "graph_over_eager"] == 1.25 and table.loc["m", "over_critical_path"] == 1.2
+    assert math.isnan(table.loc["n", "eager_peak_mb"])  # 0 = not measured, never a ratio
+    assert math.isnan(table.loc["n", "graph_over_eager"])
