@@ -161,8 +161,8 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
     From what the capture recorded (``extra``): the graph's pool, the graph's total (weights +
     pool), eager's footprint measured on the uncaptured run before the capture (weights + its
     peak; for whole-step training that run also creates the optimizer's state, which the
-    graph's pool does not hold), and, where the backend computed it, the critical-path kernel
-    time and the latency over it. Empty where no row carries them.
+    graph's pool does not hold), and, where it was computed, the critical-path kernel time
+    and the latency over it (inference: Nimble's graph; training: :mod:`experiments.limit`). Empty where no row carries them.
     """
     out = []
     for _, r in df[(df["status"] == "ok") & df["backend"].str.startswith("nimble")].iterrows():
@@ -638,8 +638,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "MiB. graph total = weights + the graph's pool; eager peak = weights + the peak of "
                "the uncaptured run before the capture (whole-step: that run also creates the "
                "optimizer's state, which the pool does not hold). critical path = single-stream "
-               "kernel time along the heaviest dependency path (inference only); "
-               "over_critical_path = median latency / critical path.", "", md_table(memory), ""]
+               "kernel time along the heaviest dependency path (inference: Nimble's task graph; "
+               "training: the recorded step, `experiments/limit.py`); over_critical_path = median "
+               "latency / critical path.", "", md_table(memory), ""]
 
     if (df["experiment"] == "tensile").any():
         metrics = tensile_metrics(df)

@@ -347,7 +347,10 @@ def test_training_fwd_bwd_takes_optimizer_steps(fakes, tmp_path):
     rows = run.run_config(cfg)
     assert [r["status"] for r in rows] == ["ok", "unavailable", "ok"]
     assert rows[0]["mode"] == "fwd-bwd" and rows[0]["experiment"] == "training"
-    assert json.loads(rows[2]["extra"])["streams"] == 3   # the backend's metrics survive the step
+    extra = json.loads(rows[2]["extra"])
+    assert extra["streams"] == 3                            # the backend's metrics survive the step
+    assert 0 < extra["critical_path_ms"] <= extra["kernel_sum_ms"]   # and the step's limit
+    assert "critical_path_ms" not in json.loads(rows[0]["extra"])   # (Nimble rows only)
     assert (tmp_path / "cpu" / "training.csv").exists()
 
 
