@@ -102,7 +102,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
         torch.cuda.synchronize()
         ends = [start, *marks.events]
         samples.append([a.elapsed_time(b) for a, b in zip(ends, ends[1:])])
-    gap = _event_gap_ms(torch.cuda.current_stream())
+    gap = _event_gap_ms(torch.cuda.Stream())   # a graph cannot be captured on the default stream
     del graph
     return [max(statistics.median(column) - gap, 0.0) for column in zip(*samples)]
 
