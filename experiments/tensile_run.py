@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from experiments.run import ConfigError, validate_model_and_batch
+from experiments.run import ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
 from experiments.store import ResultStore, row_key
 from experiments.timing import measure
@@ -233,12 +233,15 @@ def _release(device: str) -> None:
 
 def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
                    device: str, warmup: int, iters: int, repeats: int, opts: dict,
-                   fraction: float | None = None, cap_setup: bool = True) -> dict:
+                   fraction: float | None = None, cap_setup: bool = True,
+                   trace_path: Path | None = None) -> dict:
     """Build, warm up and time one method; returns the row's measured fields.
 
     ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
     the training steps (after ``make_method``: TENSILE's recording step, for one, runs a
-    vanilla step). Raises what the method raises (the caller turns it into an error row).
+    vanilla step). ``trace_path``: also write a torch.profiler trace of three steps there,
+    after the timed ones (where a method's extra time goes). Raises what the method raises
+    (the caller turns it into an error row).
     """
     cuda = device == "cuda"
     if fraction is not None and cap_setup:
@@ -278,6 +281,8 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
             return {"status": "error", "reason": f"non-finite loss {loss} after measured steps",
                     "prepare_s": round(prepare_s, 3)}
     stats = step.stats()
+    if trace_path is not None:
+        write_trace(call, (batch,), trace_path)
     extra = {"repeats": repeats, "repeat_mean_ms": [round(m, 4) for m in means],
              "repeat_std_ms": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
              "loss": loss}
@@ -400,8 +405,10 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         opts: dict = {}
         try:
             opts = _method_opts(name, exp, device, fraction, tensile_peak, rates)
+            trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
+                     if cfg.get("trace") else None)
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
-                                    fraction, bool(exp.cap_setup))
+                                    fraction, bool(exp.cap_setup), trace)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, never a crash
             if not isinstance(exc, torch.OutOfMemoryError):
                 log.exception("%s on %s failed", name, cfg.model.name)

@@ -105,6 +105,13 @@ def test_a_rerun_measures_only_what_is_missing(small, tmp_path):
     assert run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,sac,save_on_cpu]")) == []
 
 
+def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "trace=true"))
+    for name in ("vanilla", "tensile"):
+        trace = json.loads((tmp_path / "cpu" / f"trace_tensile_small_{name}.json").read_text())
+        assert any("convolution" in str(e.get("name", "")) for e in trace["traceEvents"])
+
+
 def test_capuchin_alone_gets_its_budget_from_an_unwritten_tensile_run(small, tmp_path):
     rows = run.run_config(_cfg(tmp_path, "experiment.methods=[capuchin]"))
     assert [r["backend"] for r in rows] == ["capuchin"] and rows[0]["status"] == "ok"
