@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from experiments.models import ANALYSIS_SET, MODELS, build_model, example_input, get_model
 from nimble.graph import TaskGraph
-from nimble.streams import assign_streams, critical_path, max_antichain_width
+from nimble.memplan import HappensBefore, arena_bytes, lifetimes, live_peak
+from nimble.streams import StreamPlan, assign_streams, critical_path, max_antichain_width
 from nimble.trace import trace_graph
 
 __all__ = ["COLUMNS", "analyze_graph", "analyze_module", "analyze_model",
@@ -44,7 +45,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = [
     "model", "batch_size", "image_size", "ops", "view_ops", "edges", "meg_edges",
     "chains_before_merge", "streams", "syncs", "width", "critical_path_flop_share",
-    "longest_path_op_share", "total_gflops", "build_s", "trace_s", "plan_s", "status", "error",
+    "longest_path_op_share", "total_gflops", "live_peak_mb", "arena_one_stream_mb",
+    "arena_plan_mb", "build_s", "trace_s", "plan_s", "status", "error",
     "torch", "torchvision", "timm", "commit", "date",
 ]
 
@@ -54,6 +56,9 @@ REFERENCE_STREAMS = {
     "resnet50": 2, "resnet101": 2, "inception_v3": 6, "mobilenet_v2": 1, "efficientnet_b0": 1,
     "efficientnet_b5": 1, "darts": 7, "amoebanet": 10, "nasnet_a_large": 24,
 }
+
+
+MB = 2 ** 20
 
 
 def environment() -> dict[str, str]:
@@ -96,7 +101,19 @@ def analyze_graph(graph: TaskGraph) -> dict:
         "longest_path_op_share": longest / n if n else math.nan,
         "total_gflops": total / 1e9,
         "plan_s": plan_s,
+        **arena_columns(graph, plan),
     }
+
+
+def arena_columns(graph: TaskGraph, plan) -> dict:
+    """MiB of the graph's transient tensors: most alive at once in program order, and one
+    static arena for them on one stream and on ``plan``'s streams (:mod:`nimble.memplan`)."""
+    n = graph.num_nodes
+    tensors = lifetimes(graph)
+    one = StreamPlan(stream_of=[0] * n, syncs=[], num_streams=1, chains=[], meg_edges=[])
+    return {"live_peak_mb": live_peak(tensors, n) / MB,
+            "arena_one_stream_mb": arena_bytes(tensors, HappensBefore(n, one)) / MB,
+            "arena_plan_mb": arena_bytes(tensors, HappensBefore(n, plan)) / MB}
 
 
 def _one_line(exc: BaseException, limit: int = 500) -> str:
@@ -150,6 +167,8 @@ def _markdown(df: pd.DataFrame, env: dict[str, str]) -> str:
     ref = shown["model"].map(REFERENCE_STREAMS)
     shown.insert(shown.columns.get_loc("streams") + 1, "ref_streams_ts",
                  ref.map(lambda v: "" if pd.isna(v) else str(int(v))))
+    for col in ["live_peak_mb", "arena_one_stream_mb", "arena_plan_mb"]:
+        shown[col] = shown[col].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
     for col in ["critical_path_flop_share", "longest_path_op_share", "total_gflops"]:
         shown[col] = shown[col].map(lambda v: "" if pd.isna(v) else f"{v:.3f}")
     for col in ["build_s", "trace_s", "plan_s"]:
@@ -170,6 +189,12 @@ def _markdown(df: pd.DataFrame, env: dict[str, str]) -> str:
         "`width` is the maximum antichain (the fewest streams any maximally concurrent schedule needs); "
         "`critical_path_flop_share` is the FLOPs on the heaviest path over all FLOPs; "
         "`longest_path_op_share` is the ops on the longest path over all ops.",
+        "`live_peak_mb`: the most MiB of the graph's own tensors alive at once in program order "
+        "(what eager needs at least); `arena_one_stream_mb` / `arena_plan_mb`: one static arena "
+        "for them, placed greedily by size, on one stream / on the plan's streams, where two "
+        "tensors share bytes only if one is over before the other is written in the plan's "
+        "happens-before order (`nimble.memplan`). The caching allocator needs far more on "
+        "several streams (one working set per stream).",
         "",
         shown.to_markdown(index=False, disable_numparse=True),  # keep "0.00", not "0"
         "",

@@ -14,7 +14,8 @@ from nimble.graph import OpNode, TaskGraph
 
 REQUIRED = [
     "model", "ops", "edges", "meg_edges", "streams", "syncs", "width", "critical_path_flop_share",
-    "chains_before_merge", "total_gflops", "trace_s", "plan_s", "status", "error",
+    "chains_before_merge", "total_gflops", "live_peak_mb", "arena_one_stream_mb", "arena_plan_mb",
+    "trace_s", "plan_s", "status", "error",
     "torch", "torchvision", "timm", "commit", "date",
 ]
 
@@ -53,6 +54,7 @@ def test_analyze_graph_on_a_hand_built_diamond():
     assert row["syncs"] == 2  # fork to and join from the side stream
     assert row["critical_path_flop_share"] == pytest.approx(120 / 121)
     assert row["longest_path_op_share"] == pytest.approx(3 / 4)
+    assert row["live_peak_mb"] == row["arena_plan_mb"] == 0   # no storages recorded
     empty = analysis.analyze_graph(TaskGraph(nodes=[OpNode(index=0, name="op")], edges=[]))
     assert math.isnan(empty["critical_path_flop_share"])
 
@@ -73,11 +75,14 @@ def test_run_analysis_writes_csv_and_markdown(tmp_path, monkeypatch):
     assert mb["critical_path_flop_share"] == pytest.approx(1.0)
     assert mb["ops"] > 100 and mb["edges"] >= mb["meg_edges"] >= mb["ops"] - 1
     assert 0.2 < mb["total_gflops"] < 1.0  # ~0.3 G multiply-adds at 224x224
+    # one stream: the arena is the one-stream arena (test_memplan has the branchy cases)
+    assert mb["live_peak_mb"] > 0 and mb["arena_plan_mb"] == mb["arena_one_stream_mb"]
 
     tb = ok.loc["three_branches"]
     assert tb["streams"] == tb["width"] == 3
     assert tb["syncs"] >= 4  # fork to two side streams, join back from both
     assert 0 < tb["critical_path_flop_share"] < 1
+    assert 0 < tb["live_peak_mb"] <= tb["arena_one_stream_mb"] <= tb["arena_plan_mb"]
     # Nimble's assignment reaches maximum logical concurrency with exactly `width` streams.
     assert (ok["streams"] == ok["width"]).all()
 
