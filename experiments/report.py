@@ -666,7 +666,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",
                             "critical_path_flop_share", "live_peak_mb", "arena_one_stream_mb",
-                            "arena_plan_mb", "status"] if c in streams.columns]
+                            "arena_plan_mb", "plan_lower_bound_mb", "status"] if c in streams.columns]
         md += ["## Stream analysis (CPU trace, `results/analysis/streams.csv`)", "",
                md_table(streams[cols].round(3)), ""]
     for trace in sorted(gpu_dir.glob("trace_*.json")):

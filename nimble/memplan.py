@@ -15,6 +15,11 @@ transient tensor greedily, largest first, at the lowest offset that no tensor it
 live with occupies (the "greedy by size" heuristic of TFLite's and XLA's planners).
 With one stream it is the classic interval packing, close to :func:`live_peak`, the most
 bytes alive at any op in program order (what eager reaches at best).
+
+The greedy arena is an upper bound on what a plan needs. :func:`interleaved_peak` is a
+lower bound that holds for *any* allocator: the GPU may run the streams' ops in round-robin
+order (:func:`round_robin_order`), and then everything alive at once in that order must
+occupy distinct bytes.
 """
 from __future__ import annotations
 
@@ -25,7 +30,8 @@ import numpy as np
 from .graph import TaskGraph
 from .streams import StreamPlan
 
-__all__ = ["Lifetime", "lifetimes", "HappensBefore", "arena_bytes", "live_peak"]
+__all__ = ["Lifetime", "lifetimes", "HappensBefore", "arena_bytes", "live_peak",
+           "round_robin_order", "interleaved_peak"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +150,42 @@ def live_peak(tensors: list[Lifetime], num_nodes: int) -> int:
         delta[t.first] += t.nbytes
         delta[t.last + 1] -= t.nbytes
     return int(np.cumsum(delta)[:-1].max()) if num_nodes else 0
+
+
+def round_robin_order(plan: StreamPlan) -> list[int]:
+    """The ops in an order the plan allows: one op per stream in turn, each once the ops
+    it syncs on have run (streams run their ops in index order)."""
+    streams = plan.streams()
+    waits: dict[int, list[int]] = {}
+    for u, v in plan.syncs:
+        waits.setdefault(v, []).append(u)
+    done: set[int] = set()
+    heads = [0] * len(streams)
+    order: list[int] = []
+    total = sum(len(ops) for ops in streams)
+    while len(order) < total:
+        progressed = False
+        for s, ops in enumerate(streams):
+            if heads[s] < len(ops) and all(u in done for u in waits.get(ops[heads[s]], ())):
+                v = ops[heads[s]]
+                heads[s] += 1
+                order.append(v)
+                done.add(v)
+                progressed = True
+        if not progressed:
+            raise ValueError("the plan's syncs and stream orders form a cycle")
+    return order
+
+
+def interleaved_peak(tensors: list[Lifetime], plan: StreamPlan) -> int:
+    """Most bytes alive at once when the plan's ops run in :func:`round_robin_order`: a
+    lower bound on any arena for the plan."""
+    order = round_robin_order(plan)
+    step = np.empty(len(order), dtype=np.int64)
+    step[order] = np.arange(len(order))
+    delta = np.zeros(len(order) + 1, dtype=np.int64)
+    for t in tensors:
+        at = step[list(t.uses)]
+        delta[at.min()] += t.nbytes
+        delta[at.max() + 1] -= t.nbytes
+    return int(np.cumsum(delta)[:-1].max()) if len(order) else 0

@@ -1,11 +1,13 @@
 """The arena analysis (nimble/memplan.py) on hand-made graphs: chains, branches, syncs."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from nimble.graph import OpNode, TaskGraph
-from nimble.memplan import HappensBefore, arena_bytes, lifetimes, live_peak
+from nimble.memplan import (HappensBefore, arena_bytes, interleaved_peak, lifetimes, live_peak,
+                            round_robin_order)
 from nimble.streams import StreamPlan, assign_streams
 
 MB = 2 ** 20
@@ -100,3 +102,19 @@ def test_on_a_traced_model_one_stream_matches_the_live_peak_and_the_plan_needs_m
     single = arena_bytes(ts, HappensBefore(g.num_nodes, one_stream(g.num_nodes)))
     multi = arena_bytes(ts, HappensBefore(g.num_nodes, plan))
     assert live_peak(ts, g.num_nodes) <= single < multi
+    assert max(live_peak(ts, g.num_nodes), interleaved_peak(ts, plan)) <= multi
+
+
+def test_round_robin_runs_one_op_per_stream_in_turn_and_bounds_the_arena():
+    g, plan = branches([0, 0, 1, 1, 0])
+    assert round_robin_order(plan) == [0, 2, 1, 3, 4]     # op 4 waits for op 3 (a sync)
+    ts = lifetimes(g)
+    bound = interleaved_peak(ts, plan)
+    assert bound == 3 * MB <= arena_bytes(ts, HappensBefore(g.num_nodes, plan))
+
+
+def test_a_cyclic_plan_is_refused():
+    plan = StreamPlan(stream_of=[0, 1], syncs=[(1, 0)], num_streams=2, chains=[], meg_edges=[])
+    plan.syncs.append((0, 1))
+    with pytest.raises(ValueError, match="cycle"):
+        round_robin_order(plan)
