@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from .base import Backend, register_backend
+from .base import Backend, BackendUnavailable, register_backend
 
 MB = 2 ** 20
 
@@ -38,6 +38,9 @@ class NimbleBackend(Backend):
         outputs' ``.backward()`` replays the backward graph into ``.grad``."""
         from nimble import Nimble     # imported here: nimble is not needed to list backends
 
+        if training and self.channels_last:
+            raise BackendUnavailable(f"{self.name} trains in whole-step mode only "
+                                     "(experiment.mode=whole-step)")
         limit = None if training else self.memory_limit
         fast = Nimble(model).prepare(example_inputs, training=training,
                                      use_multi_stream=self.multi_stream,
@@ -62,7 +65,8 @@ class NimbleBackend(Backend):
         fast = Nimble(model)
         step = fast.prepare_step(x, y, loss_fn, optimizer, use_multi_stream=self.multi_stream,
                                  max_streams=self.max_streams,
-                                 split_conv_backward=self.split_conv_backward)
+                                 split_conv_backward=self.split_conv_backward,
+                                 channels_last=self.channels_last)
 
         def fn(inputs: Tensor, target: Tensor) -> Tensor:
             return step((inputs,), target)
@@ -123,12 +127,12 @@ class NimbleSplitBackend(NimbleBackend):
 
 
 class NimbleChannelsLastBackend(NimbleBackend):
-    """Multi-stream, on a copy of the model in channels-last (NHWC) memory format
-    (``Nimble.prepare(channels_last=True)``): cuDNN's tensor-core convolutions want NHWC."""
+    """Multi-stream, with the model in channels-last (NHWC) memory format: a copy for inference
+    (``Nimble.prepare(channels_last=True)``), the model itself for whole-step training
+    (``prepare_step(channels_last=True)``). cuDNN's tensor-core convolutions want NHWC."""
 
     name = "nimble-cl"
     channels_last = True
-    supports_training = False
 
 
 class NimbleInductorBackend(Backend):

@@ -246,7 +246,8 @@ class Nimble:
                 floor, and ``stats.notes`` says when even that does not fit.
             split_conv_backward: (training) compute each convolution's weight gradient on
                 a side stream, beside its input gradient (:mod:`nimble.training`).
-            channels_last: (inference) run a copy of the module in channels-last (NHWC)
+            channels_last: (inference; for training see :meth:`prepare_step`) run a copy of
+                the module in channels-last (NHWC)
                 memory format; calls still take ordinary tensors (the copy into the static
                 input converts them) and outputs keep the layout the module gives them.
         """
@@ -256,8 +257,9 @@ class Nimble:
                               f"got {memory_limit!r}")
         inputs = self._check_prepare_args(dummy_input, training)
         if channels_last and training:
-            raise NimbleError("channels_last is an inference pass; prepare(training=True) "
-                              "does not take it (convert the model yourself before training)")
+            raise NimbleError("prepare(training=True) does not take channels_last; the whole-step "
+                              "capture does (prepare_step(..., channels_last=True)), or convert "
+                              "the model yourself before training")
         self.stats = PrepareStats()
         self._return_copies = return_copies
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
@@ -343,13 +345,19 @@ class Nimble:
                      dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                      optimizer: torch.optim.Optimizer, use_multi_stream: bool = True, *,
                      max_streams: int | None = None,
-                     split_conv_backward: bool = False) -> Callable[..., torch.Tensor]:
+                     split_conv_backward: bool = False,
+                     channels_last: bool = False) -> Callable[..., torch.Tensor]:
         """Capture one whole training iteration: forward, loss, backward, optimizer step.
 
         Returns ``step(inputs, target) -> loss``; ``loss`` is a static tensor that the
         next call overwrites. The optimizer must be graph-safe (SGD, or Adam/AdamW with
         ``capturable=True``); don't call ``zero_grad``/``step`` yourself, and note that
         a Python-float learning rate is baked into the graph. See :mod:`nimble.training`.
+
+        ``channels_last=True`` converts the module's 4-D parameters and buffers to
+        channels-last (NHWC) *in place* (the optimizer keeps the same parameter objects;
+        values are unchanged, only strides) and captures with NHWC static inputs; calls
+        still take ordinary tensors. cuDNN's tensor-core convolutions want NHWC.
         """
         from .training import WholeStep
 
@@ -360,6 +368,11 @@ class Nimble:
         self.stats = PrepareStats()
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
         self._split_conv_backward = split_conv_backward
+        if channels_last:   # in place: the optimizer holds these very parameters
+            self.module.to(memory_format=torch.channels_last)
+            inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+                           for x in inputs)
+            self.stats.notes.append("channels_last: module (in place) and static inputs in NHWC")
         self._run_module = self.module
         self._count_weights()
         step = WholeStep(self, inputs, dummy_target, loss_fn, optimizer)

@@ -187,6 +187,6 @@ def test_channels_last_matches_eager_and_leaves_the_module_alone(name):
 
 def test_channels_last_is_refused_for_training():
     model = build_model("mobilenet_v2").cuda()
-    with pytest.raises(NimbleError, match="channels_last is an inference pass"):
+    with pytest.raises(NimbleError, match="prepare\\(training=True\\) does not take channels_last"):
         Nimble(model).prepare(example_input("mobilenet_v2", 2, "cuda"), training=True,
                               channels_last=True)

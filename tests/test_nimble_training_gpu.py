@@ -204,3 +204,21 @@ def test_adam_without_capturable_is_refused_for_whole_step():
     x, y = batches(1, batch=8)[0]
     with pytest.raises(ValueError, match="capturable=True"):
         Nimble(model).prepare_step(x, y, F.cross_entropy, torch.optim.Adam(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet50"])
+def test_whole_step_in_channels_last_matches_eager(name):
+    data, model, ref = eager_twin(name)
+    opt, ref_opt = make_opt("sgd", model), make_opt("sgd", ref)
+    params = list(model.parameters())
+    fast = Nimble(model)
+    step = fast.prepare_step(data[0][0], data[0][1], F.cross_entropy, opt, channels_last=True)
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert "channels_last" in fast.stats.notes[0]
+
+    def nimble_step(x, y):                  # ordinary NCHW batches
+        assert torch.isfinite(step((x,), y))
+
+    run_against_eager(model, opt, nimble_step, ref, ref_opt, data)
