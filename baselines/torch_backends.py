@@ -21,6 +21,7 @@ __all__ = [
     "EagerBackend",
     "TorchScriptBackend",
     "CudaGraphBackend",
+    "CudaGraphChannelsLastBackend",
     "InductorBackend",
     "static_graph_fn",
     "WARMUP_ITERS",
@@ -202,9 +203,13 @@ class CudaGraphBackend(Backend):
     name = "cudagraph"
     supports_training = True
     needs_cuda = True
+    channels_last = False   # "cudagraph-cl": whole-step only, the layout ablation of nimble-cl
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
+        if self.channels_last:
+            raise BackendUnavailable(f"{self.name} is for whole-step training only "
+                                     "(experiment.mode=whole-step)")
         if example_inputs[0].device.type != "cuda":
             raise BackendUnavailable("cudagraph needs CUDA inputs")
         if training:
@@ -231,8 +236,13 @@ class CudaGraphBackend(Backend):
         ``optimizer.step()`` in one graph on one stream (warm-up steps train the model).
 
         Returns ``step(x, y) -> loss`` (a static tensor overwritten by the next call).
+        With ``channels_last`` the model is converted to NHWC in place (the optimizer keeps
+        its parameter objects) and the static input is NHWC.
         """
         x, y = (t.detach().clone() for t in example_inputs)
+        if self.channels_last:
+            model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
         model.train()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -255,6 +265,14 @@ class CudaGraphBackend(Backend):
             graph.replay()
             return static_loss
         return step
+
+
+class CudaGraphChannelsLastBackend(CudaGraphBackend):
+    """The plain whole-step graph with the model in channels-last: what layout alone gives,
+    beside ``nimble-cl`` (layout and streams)."""
+
+    name = "cudagraph-cl"
+    channels_last = True
 
 
 def _cpp_compiler() -> str | None:
@@ -340,6 +358,7 @@ def _inductor_max_autotune() -> InductorBackend:
 register_backend("eager", EagerBackend)
 register_backend("torchscript", _torchscript_from_env)
 register_backend("cudagraph", CudaGraphBackend)
+register_backend("cudagraph-cl", CudaGraphChannelsLastBackend)
 register_backend("inductor", InductorBackend)
 register_backend("inductor-cudagraphs", _inductor_reduce_overhead)
 register_backend("inductor-max-autotune", _inductor_max_autotune)
