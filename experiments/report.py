@@ -77,6 +77,16 @@ def _run_id(extra: str) -> str:
     return str(value or "")
 
 
+def _loaded(extra: str) -> bool:
+    """Whether the row was measured with more runnable tasks than its process's CPUs
+    (``extra.host_load_1m`` > ``extra.cpus``, recorded since 2026-11-29)."""
+    try:
+        e = json.loads(extra) if extra else {}
+        return float(e["host_load_1m"]) > float(e["cpus"])
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return False
+
+
 def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
     """Add ``<baseline>_same_run_ms`` for each of SAME_RUN_BASELINES: the median of that
     baseline's full-protocol ok row measured in the same process as the row (NaN if none),
@@ -84,8 +94,8 @@ def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
     ok = df[(df["status"] == "ok") & ~df["smoke"] & (df["run_id"] != "")]
     for baseline in SAME_RUN_BASELINES:
         base = ok[ok["backend"] == baseline].drop_duplicates(GROUP + ["run_id"], keep="last")
-        base = base[GROUP + ["run_id", "median_ms"]].rename(
-            columns={"median_ms": f"{baseline}_same_run_ms"})
+        base = base[GROUP + ["run_id", "median_ms", "loaded"]].rename(
+            columns={"median_ms": f"{baseline}_same_run_ms", "loaded": f"{baseline}_same_run_loaded"})
         df = df.merge(base, on=GROUP + ["run_id"], how="left")  # rows without run_id: NaN
     return df
 
@@ -112,6 +122,7 @@ def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
     df["batch_size"] = df["batch_size"].astype("Int64")
     df["smoke"] = _is_smoke(df)
     df["run_id"] = df["extra"].map(_run_id)
+    df["loaded"] = df["extra"].map(_loaded)
     df["_order"] = np.arange(len(df))
     df = _same_run_baselines(df)
     df = df.sort_values(["smoke", "_order"], ascending=[False, True])
@@ -280,11 +291,15 @@ def _verdict(df: pd.DataFrame, claim: pd.Series) -> tuple[float | None, str, str
         if why:
             return None, "not measured", why
         a = rows[(rows["status"] == "ok") & ~rows["smoke"]].iloc[0]
-        b_ms = float(base[(base["status"] == "ok") & ~base["smoke"]].iloc[0]["median_ms"])
+        b = base[(base["status"] == "ok") & ~base["smoke"]].iloc[0]
+        b_ms, loaded = float(b["median_ms"]), bool(b["loaded"])
         same_run = a.get(f"{claim['baseline']}_same_run_ms", np.nan)
-        b_ms = b_ms if pd.isna(same_run) else float(same_run)
+        if not pd.isna(same_run):
+            b_ms, loaded = float(same_run), bool(a.get(f"{claim['baseline']}_same_run_loaded"))
         ours = b_ms / float(a["median_ms"])
         note = f"{claim['baseline']} {b_ms:.3f} ms / {claim['backend']} {a['median_ms']:.3f} ms"
+        if loaded:   # a CPU-bound baseline on a busy host is slow: the ratio comes out high
+            note += f"; {claim['baseline']} measured on a loaded host (load above its CPUs)"
     else:
         raise ValueError(f"claim {claim['claim_id']}: unknown metric {claim['metric']!r}; "
                          "expected speedup or max_prepare_s")

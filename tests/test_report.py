@@ -254,3 +254,21 @@ def test_nimble_memory_table_puts_graph_memory_beside_eager(tmp_path):
     assert table.loc["m", "graph_over_eager"] == 1.25 and table.loc["m", "over_critical_path"] == 1.2
     assert math.isnan(table.loc["n", "eager_peak_mb"])  # 0 = not measured, never a ratio
     assert math.isnan(table.loc["n", "graph_over_eager"])
+
+
+def test_a_claim_says_when_its_baseline_ran_on_a_loaded_host(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", model="resnet50", batch_size=1,
+                  status="ok", device="cuda", gpu="NVIDIA H200", warmup=50, iters=200)
+    busy = json.dumps({"run_id": "A", "host_load_1m": 30.0, "cpus": 6})
+    store.append({**common, "backend": "eager", "median_ms": 4.0, "extra": busy})
+    store.append({**common, "backend": "nimble", "median_ms": 1.0, "extra": json.dumps({"run_id": "A"})})
+    v = report.claim_verdicts(report.load_rows(tmp_path / "h200"), one_claim(value=3.9)).iloc[0]
+    assert v["ours"] == "4.00x" and "eager measured on a loaded host" in v["note"]
+    quiet = tmp_path / "quiet"
+    store = ResultStore(quiet / "h200" / "inference.csv")
+    store.append({**common, "backend": "eager", "median_ms": 4.0,
+                  "extra": json.dumps({"run_id": "A", "host_load_1m": 2.0, "cpus": 6})})
+    store.append({**common, "backend": "nimble", "median_ms": 1.0, "extra": json.dumps({"run_id": "A"})})
+    v = report.claim_verdicts(report.load_rows(quiet / "h200"), one_claim(value=3.9)).iloc[0]
+    assert "loaded host" not in v["note"]
