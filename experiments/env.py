@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["environment", "gpu_name", "gpu_slug", "precision_flags", "git_commit"]
+__all__ = ["environment", "gpu_name", "gpu_slug", "precision_flags", "git_commit", "host_load"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,6 +69,13 @@ def _driver_version() -> str:
         return version.decode() if isinstance(version, bytes) else str(version)
     except Exception:  # noqa: BLE001 - any NVML failure just means "not known"
         return ""
+
+
+def host_load() -> dict:
+    """How busy the host's CPUs were, to read beside CPU-bound timings (eager PyTorch at small
+    batches): the 1-minute load average and the CPUs this process may run on (``taskset``)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"host_load_1m": round(os.getloadavg()[0], 2), "cpus": cpus}
 
 
 def precision_flags() -> dict[str, bool]:

@@ -35,7 +35,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from experiments.env import environment, gpu_slug
+from experiments.env import environment, gpu_slug, host_load
 from experiments.limit import step_limit
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
@@ -216,13 +216,6 @@ def _logits(out: Any) -> torch.Tensor:
 def _one_line(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:limit]
-
-
-def host_load() -> dict:
-    """How busy the host's CPUs were, to read beside CPU-bound timings (eager PyTorch at small
-    batches): the 1-minute load average and the CPUs this process may run on (``taskset``)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"host_load_1m": round(os.getloadavg()[0], 2), "cpus": cpus}
 
 
 def _extra_of(fn: Any) -> dict:

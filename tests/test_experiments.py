@@ -307,7 +307,7 @@ def test_memory_that_falls_during_prepare_is_no_graph_size(fakes, tmp_path, monk
 
 
 def test_rows_carry_the_host_load(fakes, tmp_path, monkeypatch):
-    monkeypatch.setattr(run.os, "getloadavg", lambda: (7.5, 1.0, 1.0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (7.5, 1.0, 1.0))
     row, = run.run_config(_cpu_cfg(tmp_path, "backends=[eager]"))
     extra = json.loads(row["extra"])
     assert extra["host_load_1m"] == 7.5 and extra["cpus"] == len(os.sched_getaffinity(0))
