@@ -18,6 +18,7 @@ Both run the step for real, so they update the model: analyse a copy.
 """
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Callable, Sequence
@@ -31,7 +32,7 @@ from nimble.streams import critical_path
 from tensile.record import is_counted, record_step
 from tensile.step import training_step
 
-__all__ = ["step_limit", "step_op_times_ms"]
+__all__ = ["step_limit", "step_op_times_ms", "cached_step_limit"]
 
 OpTimes = Callable[[nn.Module, torch.optim.Optimizer, Sequence, Callable], list[float]]
 
@@ -125,4 +126,29 @@ def step_limit(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequen
                            f"{graph.num_nodes}: the step is not the same every time")
     critical, _ = critical_path(graph.num_nodes, graph.edges, times)
     return {"critical_path_ms": round(critical, 4), "kernel_sum_ms": round(sum(times), 4),
+            "over_critical_path": round(median_ms / critical, 3) if critical > 0 else None}
+
+
+_CACHE: dict[tuple, tuple[float, float] | str] = {}   # per process: (critical, sum) or the error
+
+
+def cached_step_limit(key: tuple, model: nn.Module,
+                      make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                      batch: Sequence, loss_fn: Callable, median_ms: float) -> dict:
+    """:func:`step_limit` for a row: computed on a copy of ``model`` once per ``key`` in a
+    process (the limit is the model's and the batch's, not a backend's), and a failure is
+    noted (``limit_error``), not raised: an analysis must not lose the row it annotates."""
+    if key not in _CACHE:
+        twin = copy.deepcopy(model).train()
+        try:
+            got = step_limit(twin, make_optimizer(twin), batch, loss_fn, median_ms)
+            _CACHE[key] = (got["critical_path_ms"], got["kernel_sum_ms"])
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            _CACHE[key] = f"{type(e).__name__}: {e}"[:300]
+        del twin
+    cached = _CACHE[key]
+    if isinstance(cached, str):
+        return {"limit_error": cached}
+    critical, total = cached
+    return {"critical_path_ms": critical, "kernel_sum_ms": total,
             "over_critical_path": round(median_ms / critical, 3) if critical > 0 else None}

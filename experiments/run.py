@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from experiments.env import environment, gpu_slug, host_load
-from experiments.limit import step_limit
+from experiments.limit import cached_step_limit
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
 from experiments.watchdog import stop_if_stuck
@@ -270,28 +270,12 @@ def _optimizer(model: torch.nn.Module, cfg: DictConfig, capturable: bool = False
     return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
 
 
-_STEP_LIMITS: dict[tuple, tuple[float, float] | str] = {}  # per process: (critical, sum) or error
-
-
 def _step_limit(model: torch.nn.Module, inputs: tuple, cfg: DictConfig, median_ms: float) -> dict:
-    """The training step's limit (:mod:`experiments.limit`) beside a row's median: computed on
-    a copy of ``model`` once per model, batch and optimizer in a process. A failure is noted
-    in the row, not raised."""
+    """The training step's limit beside a row's median (:func:`experiments.limit.cached_step_limit`):
+    once per model, batch and optimizer in a process."""
     key = (cfg.model.name, cfg.batch_size, cfg.experiment.optimizer, str(inputs[0].device))
-    if key not in _STEP_LIMITS:
-        twin = copy.deepcopy(model).train()
-        try:
-            got = step_limit(twin, _optimizer(twin, cfg, capturable=True), inputs, _loss, median_ms)
-            _STEP_LIMITS[key] = (got["critical_path_ms"], got["kernel_sum_ms"])
-        except Exception as e:  # noqa: BLE001 - an analysis failure must not lose the row
-            _STEP_LIMITS[key] = f"{type(e).__name__}: {e}"[:300]
-        del twin
-    cached = _STEP_LIMITS[key]
-    if isinstance(cached, str):
-        return {"limit_error": cached}
-    critical, total = cached
-    return {"critical_path_ms": critical, "kernel_sum_ms": total,
-            "over_critical_path": round(median_ms / critical, 3) if critical > 0 else None}
+    return cached_step_limit(key, model, lambda m: _optimizer(m, cfg, capturable=True), inputs,
+                             _loss, median_ms)
 
 
 def _loss(out: Any, y: torch.Tensor) -> torch.Tensor:

@@ -66,3 +66,16 @@ def test_gpu_profile_times_every_recorded_op():
     got = step_limit(model, opt, batch, F.cross_entropy, median_ms=5.0)   # refuses a count mismatch
     # ResNet-50's step is nearly a chain; its optimizer updates are not: the path is shorter.
     assert 0.3 * got["kernel_sum_ms"] < got["critical_path_ms"] < got["kernel_sum_ms"]
+
+
+def test_cached_limit_is_computed_once_per_key_and_a_failure_is_a_note():
+    from experiments.limit import cached_step_limit
+    model, _, batch = _job()
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    first = cached_step_limit(("two", 4), model, make, batch, F.cross_entropy, median_ms=10.0)
+    again = cached_step_limit(("two", 4), model, make, batch, F.cross_entropy, median_ms=20.0)
+    assert again["critical_path_ms"] == first["critical_path_ms"]          # not re-measured
+    assert again["over_critical_path"] == round(20.0 / first["critical_path_ms"], 3)
+    assert all(p.grad is None for p in model.parameters())                  # a copy trained
+    bad = cached_step_limit(("bad", 4), model, make, (batch[0],), F.cross_entropy, 1.0)
+    assert "ValueError" in bad["limit_error"]
