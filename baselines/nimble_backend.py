@@ -1,8 +1,8 @@
 """Nimble itself behind the baselines interface: "nimble" (multi-stream), "nimble-single", and
 "nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed),
 "nimble-split" (training: convolution weight gradients on side streams), "nimble-cl" (multi-stream,
-module in channels-last memory format), "nimble-inductor"
-(Inductor-compiled segments on Nimble's streams).
+module in channels-last memory format), "nimble-prio" (the critical path's streams at high
+priority), "nimble-inductor" (Inductor-compiled segments on Nimble's streams).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -31,6 +31,7 @@ class NimbleBackend(Backend):
     memory_limit: float | None = None
     split_conv_backward = False
     channels_last = False
+    prioritize_critical = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -46,7 +47,8 @@ class NimbleBackend(Backend):
                                      use_multi_stream=self.multi_stream,
                                      max_streams=self.max_streams, memory_limit=limit,
                                      split_conv_backward=self.split_conv_backward,
-                                     channels_last=self.channels_last)
+                                     channels_last=self.channels_last,
+                                     prioritize_critical=self.prioritize_critical)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -126,6 +128,16 @@ class NimbleSplitBackend(NimbleBackend):
     split_conv_backward = True
 
 
+class NimblePriorityBackend(NimbleBackend):
+    """Multi-stream, with the streams that run the FLOP-heaviest path at high CUDA priority
+    (``Nimble.prepare(prioritize_critical=True)``): concurrent kernels compete for SMs at
+    batch 32, and the critical path should win. Inference only."""
+
+    name = "nimble-prio"
+    prioritize_critical = True
+    supports_training = False
+
+
 class NimbleChannelsLastBackend(NimbleBackend):
     """Multi-stream, with the model in channels-last (NHWC) memory format: a copy for inference
     (``Nimble.prepare(channels_last=True)``), the model itself for whole-step training
@@ -160,4 +172,5 @@ register_backend("nimble-single", NimbleSingleBackend)
 register_backend("nimble-mem", NimbleMemoryBackend)
 register_backend("nimble-split", NimbleSplitBackend)
 register_backend("nimble-cl", NimbleChannelsLastBackend)
+register_backend("nimble-prio", NimblePriorityBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)

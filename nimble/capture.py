@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .passes import fold_conv_bn, to_channels_last
-from .streams import StreamPlan, assign_streams, critical_path
+from .streams import StreamPlan, assign_streams, critical_path, critical_streams
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
 __all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator", "check_call_inputs",
@@ -217,13 +217,15 @@ class Nimble:
         self._use_multi_stream: bool = True
         self._max_streams: int | None = None
         self._split_conv_backward = False
+        self._prioritize_critical = False
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
                 use_multi_stream: bool = True, *, fold_bn: bool = True,
                 return_copies: bool = False, max_streams: int | None = None,
                 memory_limit: float | None = None,
-                split_conv_backward: bool = False, channels_last: bool = False) -> "Nimble":
+                split_conv_backward: bool = False, channels_last: bool = False,
+                prioritize_critical: bool = False) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -246,6 +248,10 @@ class Nimble:
                 floor, and ``stats.notes`` says when even that does not fit.
             split_conv_backward: (training) compute each convolution's weight gradient on
                 a side stream, beside its input gradient (:mod:`nimble.training`).
+            prioritize_critical: create the streams that run the FLOP-heaviest dependency
+                path with a high CUDA priority (the others at the default), so that the
+                critical path's kernels get SMs first when concurrent kernels compete.
+                Graphs keep the priority of the stream a kernel was captured on.
             channels_last: (inference; for training see :meth:`prepare_step`) run a copy of
                 the module in channels-last (NHWC)
                 memory format; calls still take ordinary tensors (the copy into the static
@@ -264,6 +270,7 @@ class Nimble:
         self._return_copies = return_copies
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
         self._split_conv_backward = split_conv_backward
+        self._prioritize_critical = prioritize_critical
         self._training = None
         self._cuda_graph = None
         if training:
@@ -368,6 +375,7 @@ class Nimble:
         self.stats = PrepareStats()
         self._use_multi_stream, self._max_streams = use_multi_stream, max_streams
         self._split_conv_backward = split_conv_backward
+        self._prioritize_critical = False
         if channels_last:   # in place: the optimizer holds these very parameters
             self.module.to(memory_format=torch.channels_last)
             inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
@@ -400,7 +408,13 @@ class Nimble:
         self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
         self.stats.num_edges = len(graph.edges)
         self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
-        self._streams = [torch.cuda.Stream() for _ in range(self.plan.num_streams)]
+        high: set[int] = set()
+        if self._prioritize_critical and self.plan.num_streams > 1:
+            high = critical_streams(self.plan, graph.edges, [float(n.flops) for n in graph.nodes])
+            self.stats.notes.append(f"prioritize_critical: streams {sorted(high)} of "
+                                    f"{self.plan.num_streams} at high priority")
+        self._streams = [torch.cuda.Stream(priority=HIGH_PRIORITY if s in high else 0)
+                         for s in range(self.plan.num_streams)]
 
     def _check_prepare_args(self, dummy_input, training: bool) -> tuple[torch.Tensor, ...]:
         if not torch.cuda.is_available():
@@ -607,6 +621,11 @@ def check_allocator(num_streams: int) -> None:
             "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (it aborted the process on "
             "torch 2.11: a captured allocation freed outside the graph). Use the default "
             "(native) allocator, or prepare(..., use_multi_stream=False).")
+
+
+# CUDA stream priorities: lower is more urgent; the valid range is the device's (torch maps a
+# value outside it to the nearest valid one). -1 is valid on every CUDA GPU.
+HIGH_PRIORITY = -1
 
 
 def _event_gap_ms(stream: torch.cuda.Stream, count: int = 101) -> float:

@@ -38,6 +38,7 @@ __all__ = [
     "reachability",
     "max_antichain_width",
     "critical_path",
+    "critical_streams",
 ]
 
 Edge = tuple[int, int]
@@ -277,3 +278,13 @@ def assign_streams(num_nodes: int, edges: Iterable[Edge], *, merge: bool = True)
     syncs = [(u, v) for u, v in meg if stream_of[u] != stream_of[v]]
     return StreamPlan(stream_of=stream_of, syncs=syncs, num_streams=len(streams),
                       chains=chains, meg_edges=meg)
+
+
+def critical_streams(plan: StreamPlan, edges: Iterable[Edge], weights: Sequence[float]) -> set[int]:
+    """The streams that run at least one op of the heaviest path (by ``weights``).
+
+    Giving them a higher CUDA stream priority lets the GPU schedule the critical path's
+    thread blocks first when concurrent kernels compete for SMs.
+    """
+    _, path = critical_path(len(plan.stream_of), edges, weights)
+    return {plan.stream_of[k] for k in path}

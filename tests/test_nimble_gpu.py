@@ -190,3 +190,15 @@ def test_channels_last_is_refused_for_training():
     with pytest.raises(NimbleError, match="prepare\\(training=True\\) does not take channels_last"):
         Nimble(model).prepare(example_input("mobilenet_v2", 2, "cuda"), training=True,
                               channels_last=True)
+
+
+@pytest.mark.parametrize("name", ["nasnet_a_mobile", "googlenet"])
+def test_prioritized_critical_streams_give_the_same_outputs(name):
+    model = build_model(name).cuda().eval()
+    fast = Nimble(model).prepare(example_input(name, 8, "cuda"), prioritize_critical=True)
+    high = [s for s in fast._streams if s.priority < 0]
+    assert 0 < len(high) < len(fast._streams)
+    assert any("prioritize_critical" in n for n in fast.stats.notes)
+    x = example_input(name, 8, "cuda").normal_()
+    with torch.no_grad():
+        assert rel_err(fast(x), model(x)) < TOL

@@ -285,3 +285,15 @@ def test_width_of_1500_nodes_is_fast():
     width = max_antichain_width(1500, edges)
     assert time.perf_counter() - t0 < 2.0
     assert 1 <= width <= assign_streams(1500, edges).num_streams
+
+
+def test_critical_streams_are_those_running_the_heaviest_path():
+    from nimble.streams import critical_streams
+    # 0 -> {1, 2} -> 3: the branch through node 1 is heavier.
+    edges = [(0, 1), (0, 2), (1, 3), (2, 3)]
+    plan = assign_streams(4, edges)
+    assert plan.num_streams == 2
+    heavy = critical_streams(plan, edges, [1.0, 10.0, 1.0, 1.0])
+    light = critical_streams(plan, edges, [1.0, 1.0, 10.0, 1.0])
+    assert heavy == {plan.stream_of[0], plan.stream_of[1], plan.stream_of[3]}
+    assert light == {plan.stream_of[0], plan.stream_of[2], plan.stream_of[3]}
