@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .passes import fold_conv_bn, to_channels_last
+from .priority import NodePriorityGraph
 from .streams import StreamPlan, assign_streams, critical_path, critical_streams
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
@@ -250,8 +251,9 @@ class Nimble:
                 a side stream, beside its input gradient (:mod:`nimble.training`).
             prioritize_critical: create the streams that run the FLOP-heaviest dependency
                 path with a high CUDA priority (the others at the default), so that the
-                critical path's kernels get SMs first when concurrent kernels compete.
-                Graphs keep the priority of the stream a kernel was captured on.
+                critical path's kernels get SMs first when concurrent kernels compete. The
+                graph is instantiated with CUDA's use-node-priority flag
+                (:mod:`nimble.priority`); inference only.
             channels_last: (inference; for training see :meth:`prepare_step`) run a copy of
                 the module in channels-last (NHWC)
                 memory format; calls still take ordinary tensors (the copy into the static
@@ -262,6 +264,9 @@ class Nimble:
             raise NimbleError(f"memory_limit must be a positive multiple of eager's peak, "
                               f"got {memory_limit!r}")
         inputs = self._check_prepare_args(dummy_input, training)
+        if prioritize_critical and training:
+            raise NimbleError("prioritize_critical is for inference graphs: their replay "
+                              "skips the random generators' bookkeeping that training needs")
         if channels_last and training:
             raise NimbleError("prepare(training=True) does not take channels_last; the whole-step "
                               "capture does (prepare_step(..., channels_last=True)), or convert "
@@ -308,7 +313,9 @@ class Nimble:
         t0 = time.perf_counter()
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
-        cuda_graph = torch.cuda.CUDAGraph()
+        # Per-kernel priorities need an executable graph of our own (nimble.priority).
+        cuda_graph = (torch.cuda.CUDAGraph(keep_graph=True) if self._prioritize_critical
+                      else torch.cuda.CUDAGraph())
         # What the capture adds is the graph's memory: its private pool (native
         # allocator) or its graph memory nodes (cudaMallocAsync, mapped at first launch).
         meter = GraphMemoryMeter()
@@ -323,7 +330,7 @@ class Nimble:
             raise NimbleError("the module must return tensors (or tuples/lists/dicts of them); "
                               f"got {[type(t).__name__ for t in flat]}")
         self._static_outputs = flat
-        self._cuda_graph = cuda_graph
+        self._cuda_graph = NodePriorityGraph(cuda_graph) if self._prioritize_critical else cuda_graph
 
     def _fit_memory(self, limit: float) -> None:
         """Halve the streams and capture again until the graph's memory fits ``limit``."""

@@ -221,3 +221,47 @@ def test_eager_peak_is_weights_plus_what_the_block_allocated_at_its_peak(monkeyp
     with measure_eager_peak(stats):
         counters.update(max_allocated=175, max_reserved=420)   # what the eager run reached
     assert (stats.eager_peak_bytes, stats.eager_reserved_bytes) == (40 + 75, 40 + 120)
+
+
+def test_node_priority_graph_instantiates_with_the_flag_and_launches_on_the_current_stream(monkeypatch):
+    import ctypes
+    from types import SimpleNamespace
+    from nimble import priority
+
+    calls = []
+
+    class FakeDriver:
+        def cuGraphInstantiateWithFlags(self, out, graph, flags):
+            calls.append(("instantiate", graph.value, flags.value))
+            ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0xE1
+            return 0
+
+        def cuGraphLaunch(self, exec_, stream):
+            calls.append(("launch", exec_.value, stream.value))
+            return 0
+
+        def cuGraphExecDestroy(self, exec_):
+            calls.append(("destroy", exec_.value))
+            return 0
+
+    monkeypatch.setattr(priority, "_libcuda", lambda: FakeDriver())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0x5))
+    captured = SimpleNamespace(raw_cuda_graph=lambda: 0xA0)
+    g = priority.NodePriorityGraph(captured)
+    g.replay()
+    assert calls == [("instantiate", 0xA0, priority.USE_NODE_PRIORITY), ("launch", 0xE1, 0x5)]
+    assert g.graph is captured                   # the pool's owner stays alive
+    del g
+    import gc
+    gc.collect()
+    assert calls[-1] == ("destroy", 0xE1)
+
+
+def test_a_failed_instantiation_says_which_call(monkeypatch):
+    from types import SimpleNamespace
+    from nimble import priority
+    fake = SimpleNamespace(cuGraphInstantiateWithFlags=lambda *a: 1, cuGraphLaunch=None,
+                           cuGraphExecDestroy=None)
+    monkeypatch.setattr(priority, "_libcuda", lambda: fake)
+    with pytest.raises(RuntimeError, match=r"cuGraphInstantiateWithFlags\(USE_NODE_PRIORITY\) failed with CUresult 1"):
+        priority.NodePriorityGraph(SimpleNamespace(raw_cuda_graph=lambda: 1))

@@ -199,6 +199,8 @@ def test_prioritized_critical_streams_give_the_same_outputs(name):
     high = [s for s in fast._streams if s.priority < 0]
     assert 0 < len(high) < len(fast._streams)
     assert any("prioritize_critical" in n for n in fast.stats.notes)
+    from nimble.priority import NodePriorityGraph
+    assert isinstance(fast._cuda_graph, NodePriorityGraph)   # launched with node priorities
     x = example_input(name, 8, "cuda").normal_()
     with torch.no_grad():
         assert rel_err(fast(x), model(x)) < TOL
