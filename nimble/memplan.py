@@ -4,14 +4,15 @@ PyTorch's caching allocator reuses a freed block only on the stream that allocat
 a multi-stream capture keeps one working set per stream (see :mod:`nimble.allocator`):
 NASNet-A mobile at batch 32 needs 548 MiB on 13 streams against 114 MiB on one. Would a
 memory plan of our own, one arena for all streams, meet "within 1.2x of eager's peak"?
-This module answers that on the task graph alone, before anyone builds such an allocator.
+This module bounds the answer on the task graph alone, before anyone builds such an
+allocator. It counts the graph's own tensors: library workspaces (cuDNN's) are not in the
+trace, and eager's measured peak includes them.
 
 A plan may give two tensors the same bytes only if every use of one finishes before the
 other is first written, in the plan's *happens-before* order: earlier on the same stream,
 or through the plan's event syncs (transitively). Every later use of a tensor depends on
 its first write (the graph's read- and write-after-write edges), so "before the first
-write" is before all of it. :func:`arena_bytes` places every
-transient tensor greedily, largest first, at the lowest offset that no tensor it may be
+write" is before all of it. :func:`arena_bytes` places every transient tensor greedily, largest first, at the lowest offset that no tensor it may be
 live with occupies (the "greedy by size" heuristic of TFLite's and XLA's planners).
 With one stream it is the classic interval packing, close to :func:`live_peak`, the most
 bytes alive at any op in program order (what eager reaches at best).
