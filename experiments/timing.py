@@ -77,26 +77,22 @@ def measure(fn: Callable[..., Any], inputs: Sequence[Any], *, warmup: int = 50, 
             fn(*inputs)
             wall_ms.append((time.perf_counter() - t0) * 1e3)
     samples = gpu_ms if cuda else wall_ms
+    return Timing(**_statistics(samples), wall_ms=float(np.median(wall_ms)),
+                  samples=[float(x) for x in samples])
+
+
+def _statistics(samples: Sequence[float]) -> dict[str, float]:
+    """``median_ms``, ``p10_ms``, ``p90_ms``, ``mean_ms``, ``std_ms`` of times in ms."""
     arr = np.asarray(samples, dtype=float)
-    return Timing(
-        median_ms=float(np.median(arr)),
-        p10_ms=float(np.percentile(arr, 10)),
-        p90_ms=float(np.percentile(arr, 90)),
-        mean_ms=float(arr.mean()),
-        std_ms=float(arr.std(ddof=1)) if arr.size > 1 else 0.0,
-        wall_ms=float(np.median(wall_ms)),
-        samples=[float(x) for x in samples],
-    )
+    return {"median_ms": float(np.median(arr)), "p10_ms": float(np.percentile(arr, 10)),
+            "p90_ms": float(np.percentile(arr, 90)), "mean_ms": float(arr.mean()),
+            "std_ms": float(arr.std(ddof=1)) if arr.size > 1 else 0.0}
 
 
 def summarize_ms(samples: Sequence[float]) -> dict[str, float]:
-    """``median_ms``, ``p10_ms``, ``p90_ms``, ``mean_ms``, ``std_ms`` of step times in ms,
-    rounded to 0.1 µs (what the result rows store)."""
-    arr = np.asarray(samples, dtype=float)
-    r = lambda v: round(float(v), 4)  # noqa: E731
-    return {"median_ms": r(np.median(arr)), "p10_ms": r(np.percentile(arr, 10)),
-            "p90_ms": r(np.percentile(arr, 90)), "mean_ms": r(arr.mean()),
-            "std_ms": r(arr.std(ddof=1)) if arr.size > 1 else 0.0}
+    """:func:`measure`'s statistics of step times in ms, rounded to 0.1 µs (what the result
+    rows store)."""
+    return {k: round(v, 4) for k, v in _statistics(samples).items()}
 
 
 def allocated_mb(device: str | torch.device = "cuda") -> float:
