@@ -77,14 +77,19 @@ def _run_id(extra: str) -> str:
     return str(value or "")
 
 
-def _loaded(extra: str) -> bool:
-    """Whether the row was measured with more runnable tasks than its process's CPUs
-    (``extra.host_load_1m`` > ``extra.cpus``, recorded since 2026-11-29)."""
+def _host_load(extra: str) -> tuple[float, float] | None:
+    """``(host_load_1m, cpus)`` of a row that recorded them (since 2026-11-29), else None."""
     try:
         e = json.loads(extra) if extra else {}
-        return float(e["host_load_1m"]) > float(e["cpus"])
+        return float(e["host_load_1m"]), float(e["cpus"])
     except (ValueError, AttributeError, KeyError, TypeError):
-        return False
+        return None
+
+
+def _loaded(extra: str) -> bool:
+    """Whether the row was measured with more runnable tasks than its process's CPUs."""
+    load = _host_load(extra)
+    return load is not None and load[0] > load[1]
 
 
 def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
@@ -173,7 +178,8 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
     pool), eager's footprint measured on the uncaptured run before the capture (weights + its
     peak; for whole-step training that run also creates the optimizer's state, which the
     graph's pool does not hold), and, where it was computed, the critical-path kernel time
-    and the latency over it (inference: Nimble's graph; training: :mod:`experiments.limit`). Empty where no row carries them.
+    and the latency over it (inference: Nimble's graph; training: :mod:`experiments.limit`).
+    Empty where no row carries them.
     """
     out = []
     for _, r in df[(df["status"] == "ok") & df["backend"].str.startswith("nimble")].iterrows():
@@ -574,13 +580,12 @@ def _load_line(df: pd.DataFrame) -> list[str]:
     """The host's 1-minute load average over the rows that recorded it (since 2026-11-29):
     eager timings at small batches are CPU-bound, so a loaded host makes eager slower and
     every speedup over it larger."""
-    extras = [json.loads(e) for e in df["extra"] if e]
-    loads = [(x["host_load_1m"], x["cpus"]) for x in extras if "host_load_1m" in x]
+    loads = [load for load, _ in filter(None, map(_host_load, df["extra"]))]
     if not loads:
         return []
-    busy = sum(load > cpus for load, cpus in loads)
-    return [f"- host load (1-min average) {min(l for l, _ in loads):g}–{max(l for l, _ in loads):g} "
-            f"over {len(loads)} rows; {busy} measured with more runnable tasks than the process's CPUs"]
+    busy = int(df["loaded"].sum())       # load_rows' column: the same rule, once
+    return [f"- host load (1-min average) {min(loads):g}–{max(loads):g} over {len(loads)} rows; "
+            f"{busy} measured with more runnable tasks than the process's CPUs"]
 
 
 def _not_measured(df: pd.DataFrame) -> pd.DataFrame:
