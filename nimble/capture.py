@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
-from .passes import fold_conv_bn, to_channels_last
+from .passes import channels_last_inputs, fold_conv_bn, to_channels_last
 from .priority import NodePriorityGraph
 from .streams import StreamPlan, assign_streams, critical_path, critical_streams
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
@@ -385,8 +385,7 @@ class Nimble:
         self._prioritize_critical = False
         if channels_last:   # in place: the optimizer holds these very parameters
             self.module.to(memory_format=torch.channels_last)
-            inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
-                           for x in inputs)
+            inputs = channels_last_inputs(inputs)
             self.stats.notes.append("channels_last: module (in place) and static inputs in NHWC")
         self._run_module = self.module
         self._count_weights()

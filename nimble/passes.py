@@ -16,7 +16,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from .trace import OpRecorder, as_tuple
 
-__all__ = ["fold_conv_bn", "to_channels_last"]
+__all__ = ["fold_conv_bn", "to_channels_last", "channels_last_inputs"]
 
 
 def _replacement_for(bn: nn.Module) -> nn.Module:
@@ -98,6 +98,10 @@ def to_channels_last(model: nn.Module, example_inputs) -> tuple[nn.Module, tuple
     (torch.compile converts layouts for the same reason). The input module is untouched.
     """
     model = copy.deepcopy(model).to(memory_format=torch.channels_last)
-    inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
-                   for x in as_tuple(example_inputs))
-    return model, inputs
+    return model, channels_last_inputs(example_inputs)
+
+
+def channels_last_inputs(inputs) -> tuple[torch.Tensor, ...]:
+    """The 4-D tensors of ``inputs`` in channels-last (NHWC) memory format, others unchanged."""
+    return tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+                 for x in as_tuple(inputs))
