@@ -201,6 +201,17 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=cols).sort_values(cols[:5], ignore_index=True)
 
 
+def headroom_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``headroom.csv`` (last measurement per model, batch and K), or None."""
+    df = _read_csv(path)
+    if df is None or not len(df):
+        return None
+    keys = ["model", "batch_size", "copies"]
+    df = df.drop_duplicates(keys, keep="last").sort_values(keys)
+    cols = keys + ["one_copy_ms", "one_stream_ms", "k_streams_ms", "overlap", "host_load_1m", "commit"]
+    return df[[c for c in cols if c in df.columns]].round(3).reset_index(drop=True)
+
+
 def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
     """Model × backend: ``median (p10–p90)`` in ms; ``n/a`` unavailable, ``error``, ``*`` smoke."""
     sel = df[(df["experiment"] == experiment) & (df["mode"] == mode) & (df["batch_size"] == batch_size)]
@@ -682,6 +693,13 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "columns are means over the setting's jobs (allocator peaks). `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]
+
+    headroom = headroom_table(gpu_dir / "headroom.csv")
+    if headroom is not None:
+        md += ["## Concurrency headroom: K model copies on one stream vs K streams", "",
+               "One CUDA graph of K independent copies (`python -m experiments.headroom`); overlap = "
+               "one-stream / K-stream time, K = perfect. A multi-stream schedule of one model, whose "
+               "branches are fewer and unequal, gains less than this.", "", md_table(headroom), ""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

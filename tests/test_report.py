@@ -272,3 +272,17 @@ def test_a_claim_says_when_its_baseline_ran_on_a_loaded_host(tmp_path):
     store.append({**common, "backend": "nimble", "median_ms": 1.0, "extra": json.dumps({"run_id": "A"})})
     v = report.claim_verdicts(report.load_rows(quiet / "h200"), one_claim(value=3.9)).iloc[0]
     assert "loaded host" not in v["note"]
+
+
+def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
+    path = results / "h200" / "headroom.csv"
+    rows = [dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,
+                 k_streams_ms=9.0, overlap=1.111, commit="a"),
+            dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,
+                 k_streams_ms=8.0, overlap=1.25, commit="b")]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    table = report.headroom_table(path)
+    assert len(table) == 1 and table.loc[0, "overlap"] == 1.25
+    text = report.write_report(results / "h200", results).read_text()
+    assert "## Concurrency headroom" in text and "| darts | 32 | 2 |" in text
+    assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
