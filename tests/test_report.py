@@ -95,6 +95,15 @@ def one_claim(**fields) -> pd.DataFrame:
     return pd.DataFrame([{**row, **fields}])
 
 
+def test_a_claim_over_several_modes_takes_the_fastest_and_names_it(results):
+    df = report.load_rows(results / "h200")
+    both = report.claim_verdicts(df, one_claim(backend="nimble-single|nimble|tensorrt", value=4.4)).iloc[0]
+    assert both["ours"] == "4.44x" and both["verdict"] == "reproduced"     # 4.0/0.9 beats 4.0/0.95
+    assert both["note"].startswith("fastest of nimble-single, nimble, tensorrt: eager 4.000 ms / nimble 0.900")
+    none = report.claim_verdicts(df, one_claim(backend="tensorrt|tvm")).iloc[0]
+    assert none["verdict"] == "not measured" and "torch_tensorrt is not installed" in none["note"]
+
+
 def test_unavailable_backend_reason_reaches_the_verdict(results):
     df = report.load_rows(results / "h200")
     claim = one_claim(claim_id="trt", text="x", baseline="tensorrt", value=1.2)
