@@ -96,12 +96,12 @@ def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
     """Add ``<baseline>_same_run_ms`` for each of SAME_RUN_BASELINES: the median of that
     baseline's full-protocol ok row measured in the same process as the row (NaN if none),
     looked up among all rows, including ones a later measurement of the same key replaced."""
-    ok = df[(df["status"] == "ok") & ~df["smoke"] & (df["run_id"] != "")]
+    ok = df[(df["status"] == "ok") & ~df["smoke"]]
     for baseline in SAME_RUN_BASELINES:
         base = ok[ok["backend"] == baseline].drop_duplicates(GROUP + ["run_id"], keep="last")
         base = base[GROUP + ["run_id", "median_ms", "loaded"]].rename(
             columns={"median_ms": f"{baseline}_same_run_ms", "loaded": f"{baseline}_same_run_loaded"})
-        df = df.merge(base, on=GROUP + ["run_id"], how="left")  # rows without run_id: NaN
+        df = df.merge(base, on=GROUP + ["run_id"], how="left")  # no baseline in that run: NaN
     return df
 
 
@@ -110,8 +110,9 @@ def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
 
     When a key was measured more than once (``redo=true``), a full-protocol row wins over a
     smoke row and, among equals, the last appended wins. Files that are not result CSVs are
-    skipped. Rows that carry a ``run_id`` also get ``<baseline>_same_run_ms``, so ratios can
-    use the baseline measured in the same process even when a later run replaced its row.
+    skipped. Every row gets ``<baseline>_same_run_ms``: the baseline measured in the same process
+    (``extra.run_id``; rows written before run ids: the same commit), so ratios use it even when
+    a later run replaced the baseline's row.
     """
     frames = []
     for path in sorted(Path(gpu_dir).glob("*.csv")):
@@ -127,6 +128,11 @@ def load_rows(gpu_dir: str | Path) -> pd.DataFrame:
     df["batch_size"] = df["batch_size"].astype("Int64")
     df["smoke"] = _is_smoke(df)
     df["run_id"] = df["extra"].map(_run_id)
+    # Rows from before run ids: the rows of one commit count as one run. Those sessions measured
+    # every backend of a setting in one process, one host session per commit; without this, an
+    # old row would be divided by whatever baseline was measured last, on another host.
+    legacy = df["run_id"] == ""
+    df.loc[legacy, "run_id"] = "commit:" + df.loc[legacy, "commit"]
     df["loaded"] = df["extra"].map(_loaded)
     df["_order"] = np.arange(len(df))
     df = _same_run_baselines(df)
@@ -203,8 +209,10 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def headroom_table(path: Path) -> pd.DataFrame | None:
     """The rows of ``headroom.csv`` (last measurement per model, batch and K), or None."""
-    df = _read_csv(path)
-    if df is None or not len(df):
+    if not path.exists():
+        return None
+    df = pd.read_csv(path, dtype={"commit": str})   # "17e2523" is a commit, not 1.7e2524
+    if not len(df):
         return None
     keys = ["model", "batch_size", "copies"]
     df = df.drop_duplicates(keys, keep="last").sort_values(keys)

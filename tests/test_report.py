@@ -215,20 +215,23 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
 
 def test_ratios_use_the_eager_row_of_the_same_process(tmp_path):
     """Run A measured eager and nimble; run B later measured eager again (its row replaces A's in
-    the tables). Nimble's speedup and the claim still use run A's eager; rows without a run_id
-    fall back to the last eager row."""
+    the tables). Nimble's speedup and the claim still use run A's eager. Rows written before
+    run ids pair with the eager row of their commit; with none there, the shown eager row."""
     store = ResultStore(tmp_path / "h200" / "inference.csv")
     common = dict(experiment="inference", mode="inference", model="resnet50", batch_size=1,
                   status="ok", device="cuda", gpu="NVIDIA H200", warmup=50, iters=200)
+    store.append({**common, "backend": "eager", "median_ms": 2.0, "commit": "17e2523"})  # no run_id
+    store.append({**common, "backend": "cudagraph", "median_ms": 1.6, "commit": "17e2523"})
+    store.append({**common, "backend": "torchscript", "median_ms": 1.0, "commit": "aaaaaaa"})
     store.append({**common, "backend": "eager", "median_ms": 4.0, "run_id": "A"})
     store.append({**common, "backend": "nimble", "median_ms": 1.0, "run_id": "A"})
     store.append({**common, "backend": "eager", "median_ms": 8.0, "run_id": "B"})
-    store.append({**common, "backend": "cudagraph", "median_ms": 1.6})            # no run_id
     df = report.load_rows(tmp_path / "h200")
     assert list(df[df["backend"] == "eager"]["median_ms"]) == [8.0]                 # B's row shown
     got = report.speedups(df).set_index("backend")["speedup"]
     assert got["nimble"] == pytest.approx(4.0)          # run A: 4.0 / 1.0
-    assert got["cudagraph"] == pytest.approx(5.0)       # no run: the shown eager, 8.0 / 1.6
+    assert got["cudagraph"] == pytest.approx(1.25)      # its commit's eager: 2.0 / 1.6
+    assert got["torchscript"] == pytest.approx(8.0)     # no eager of its commit: the shown one
     claims = one_claim(value=3.9)
     v = report.claim_verdicts(df, claims).iloc[0]
     assert v["ours"] == "4.00x" and v["verdict"] == "reproduced" and "eager 4.000 ms" in v["note"]
@@ -288,10 +291,11 @@ def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     rows = [dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,
                  k_streams_ms=9.0, overlap=1.111, commit="a"),
             dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,
-                 k_streams_ms=8.0, overlap=1.25, commit="b")]
+                 k_streams_ms=8.0, overlap=1.25, commit="17e2523")]
     pd.DataFrame(rows).to_csv(path, index=False)
     table = report.headroom_table(path)
     assert len(table) == 1 and table.loc[0, "overlap"] == 1.25
+    assert table.loc[0, "commit"] == "17e2523"      # read as text, not as the float 1.7e2524
     text = report.write_report(results / "h200", results).read_text()
     assert "## Concurrency headroom" in text and "| darts | 32 | 2 |" in text
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
