@@ -291,7 +291,8 @@ class InductorBackend(Backend):
     prepare compiles and runs the compiled function WARMUP_ITERS times, so the compile
     time (and, for the CUDA-graph modes, the warm-up and recording runs) lands in
     ``prepare_s``. Inductor's on-disk caches make a second compile of the same model
-    faster: compile times are those of the cache state at the time.
+    faster: compile times are those of the cache state at the time, which the row's
+    ``extra.compile_cache`` names (:func:`compile_cache_use`).
     """
 
     supports_training = True
@@ -327,13 +328,32 @@ class InductorBackend(Backend):
             return compiled(*inputs)
 
         fn = run if training else _no_grad(run)
+        before = dict(_inductor_counters())
         for _ in range(WARMUP_ITERS):  # compile, then (graph modes) warm up, record, replay
             out = fn(*example_inputs)
             if training:
                 _backward_once(out)
         if training:
             model.zero_grad(set_to_none=True)
+        fn.extra = compile_cache_use(before, _inductor_counters())
         return fn
+
+
+def _inductor_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters   # private module; the counters are what logs print
+    return dict(counters["inductor"])
+
+
+def compile_cache_use(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
+    """What Inductor's on-disk caches did during one prepare, for the row's ``extra``: FX-graph
+    cache hits and misses, autotuning benchmarks run, and ``compile_cache`` = "warm" (every graph
+    came from the cache: ``prepare_s`` is not a cold compile time), "cold" or "mixed"."""
+    delta = {k: after.get(k, 0) - before.get(k, 0)
+             for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "select_algorithm_autotune")}
+    hits, misses = delta["fxgraph_cache_hit"], delta["fxgraph_cache_miss"]
+    state = "warm" if hits and not misses else "cold" if misses and not hits else "mixed" if hits else "not used"
+    return {"fxgraph_cache_hits": hits, "fxgraph_cache_misses": misses,
+            "autotune_benchmarks": delta["select_algorithm_autotune"], "compile_cache": state}
 
 
 def _backward_once(out: Any) -> None:

@@ -432,3 +432,26 @@ def test_tvm_build_skips_only_artifacts_built_with_the_same_settings(tmp_path):
     assert tvm_build._up_to_date(args, "resnet50", 32)
     fast = tvm_build._parse_args(["--models", "resnet50", "--out", str(tmp_path), "--fast-math"])
     assert not tvm_build._up_to_date(fast, "resnet50", 32)            # other settings: rebuild
+
+
+def test_compile_cache_use_names_warm_cold_and_mixed_compiles() -> None:
+    from baselines.torch_backends import compile_cache_use
+    warm = compile_cache_use({"fxgraph_cache_hit": 3}, {"fxgraph_cache_hit": 5, "select_algorithm_autotune": 0})
+    assert warm == {"fxgraph_cache_hits": 2, "fxgraph_cache_misses": 0, "autotune_benchmarks": 0,
+                    "compile_cache": "warm"}
+    assert compile_cache_use({}, {"fxgraph_cache_miss": 1, "select_algorithm_autotune": 40})["compile_cache"] == "cold"
+    assert compile_cache_use({}, {"fxgraph_cache_miss": 1, "fxgraph_cache_hit": 1})["compile_cache"] == "mixed"
+    assert compile_cache_use({}, {})["compile_cache"] == "not used"
+
+
+@pytest.mark.slow
+def test_a_second_inductor_compile_of_the_same_model_says_it_came_from_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))    # a cold cache of our own
+    torch._dynamo.reset()
+    model, x = _branchy(), _inputs(MODELS["branchy"][1])
+    first = try_prepare(get_backend("inductor"), model, (x,), "cpu")
+    torch._dynamo.reset()                                           # forget in-process compiles
+    second = try_prepare(get_backend("inductor"), _branchy(), (x,), "cpu")
+    assert first.status == second.status == "ok", (first.reason, second.reason)
+    assert first.fn.extra["compile_cache"] == "cold" and first.fn.extra["fxgraph_cache_misses"] >= 1
+    assert second.fn.extra["compile_cache"] == "warm" and second.fn.extra["fxgraph_cache_hits"] >= 1
