@@ -516,8 +516,10 @@ def plot_training_speedup(df: pd.DataFrame) -> Figure | None:
     return fig
 
 
-def plot_multistream(df: pd.DataFrame) -> Figure | None:
-    """Multi-stream ablation: Nimble (multi-stream) over Nimble single-stream, per model and batch."""
+def plot_multistream(df: pd.DataFrame, headroom: pd.DataFrame | None = None) -> Figure | None:
+    """Multi-stream ablation: Nimble (multi-stream) over Nimble single-stream, per model and
+    batch. With ``headroom`` (:func:`headroom_table`), a marker on each bar shows how much two
+    independent copies of that model overlap at that batch: the GPU's concurrency there."""
     sp = speedups(df[df["experiment"] == "inference"], baseline="nimble-single")
     sp, note = _prefer_full(sp[sp["backend"] == "nimble"])
     if sp.empty:
@@ -529,8 +531,13 @@ def plot_multistream(df: pd.DataFrame) -> Figure | None:
     x = np.arange(len(models))
     for i, b in enumerate(batches):
         vals = sp[sp["batch_size"] == b].set_index("model")["speedup"].reindex(models)
-        ax.bar(x + (i - (len(batches) - 1) / 2) * width, vals.to_numpy(dtype=float), width,
-               label=f"batch {b}")
+        pos = x + (i - (len(batches) - 1) / 2) * width
+        ax.bar(pos, vals.to_numpy(dtype=float), width, label=f"batch {b}")
+        if headroom is not None:
+            two = headroom[(headroom["batch_size"] == b) & (headroom["copies"] == 2)]
+            overlap = two.set_index("model")["overlap"].reindex(models).to_numpy(dtype=float)
+            ax.scatter(pos, overlap, marker="_", s=200, color="black", zorder=3,
+                       label="2 independent copies" if i == 0 else None)
     for target in (1.3, 1.5):
         ax.axhline(target, color="grey", ls="--", lw=0.8)
     ax.axhline(1.0, color="black", lw=0.8)
@@ -647,6 +654,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     paper_inf = _read_csv(paper_dir / "nimble_inference_v100.csv")
     paper_train = _read_csv(paper_dir / "nimble_training_v100.csv")
     streams = _read_csv(results_dir / "analysis" / "streams.csv")
+    headroom = headroom_table(gpu_dir / "headroom.csv")
 
     n_smoke = int(df["smoke"].sum())
     md = [f"# Reproduction report: {gpu_dir.name}", "",
@@ -683,7 +691,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                md_table(paper_comparison(df, paper_train, "training", "fwd-bwd")), ""]
         figures["training_speedup.png"] = plot_training_speedup(df)
     if len(df):
-        figures["multistream_ablation.png"] = plot_multistream(df)
+        figures["multistream_ablation.png"] = plot_multistream(df, headroom)
 
     memory = nimble_memory_table(df) if len(df) else pd.DataFrame()
     if len(memory):
@@ -716,7 +724,6 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                md_table(table), ""]
         md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]
 
-    headroom = headroom_table(gpu_dir / "headroom.csv")
     if headroom is not None:
         md += ["## Concurrency headroom: K model copies on one stream vs K streams", "",
                "One CUDA graph of K independent copies (`python -m experiments.headroom`); overlap = "

@@ -298,4 +298,6 @@ def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     assert table.loc[0, "commit"] == "17e2523"      # read as text, not as the float 1.7e2524
     text = report.write_report(results / "h200", results).read_text()
     assert "## Concurrency headroom" in text and "| darts | 32 | 2 |" in text
+    fig = report.plot_multistream(report.load_rows(results / "h200"), table)
+    assert "2 independent copies" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
