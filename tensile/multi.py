@@ -277,7 +277,7 @@ class _JobChannel:
                 merged[-1][1] = max(merged[-1][1], e)
             else:
                 merged.append([s, e])
-        ch = CopyChannel()
+        ch = CopyChannel(P)
         ch.busy = [(s, e) for s, e in merged]
         return ch
 
@@ -286,6 +286,9 @@ class _JobChannel:
 
     def latest(self, lo: float, hi: float, d: float) -> float | None:
         return self._view().latest(lo, hi, d)
+
+    def earliest_wrapping(self, lo: float, d: float, hi_next: float) -> float | None:
+        return self._view().earliest_wrapping(lo, d, hi_next)
 
     def add(self, start: float, end: float) -> None:
         for k in range(self.repeats):

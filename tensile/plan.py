@@ -12,7 +12,9 @@ dropped after ``release_after_op``; the host→device copy is issued after
 ``in_issue_op``; op ``use_op`` is the first access that needs it back. A
 *cross-iteration* swap (parameter or optimizer state) is copied out after its last
 update, dropped at the end of the step, and copied back in the next iteration
-(``in_issue_op`` then counts ops of the next iteration; ``-1`` = at its start).
+(``in_issue_op`` then counts ops of the next iteration; ``-1`` = at its start). Its
+copy-out may run past the iteration end (``out_end_ms`` > the iteration's length): its
+memory is then free only from the first op of the next iteration after the copy ends.
 """
 from __future__ import annotations
 

@@ -94,10 +94,15 @@ def plan(
 
 
 class CopyChannel:
-    """One copy direction: sorted, pairwise disjoint busy intervals ``[start, end)`` in ms."""
+    """One copy direction: sorted, pairwise disjoint busy intervals ``[start, end)`` in ms.
 
-    def __init__(self) -> None:
+    ``cycle`` is the iteration length: the channel repeats every iteration, so a copy that
+    runs past ``cycle`` occupies the start of the next one (:meth:`add` folds it there).
+    """
+
+    def __init__(self, cycle: float | None = None) -> None:
         self.busy: list[tuple[float, float]] = []
+        self.cycle = cycle
 
     def earliest(self, lo: float, hi: float, d: float) -> float | None:
         """Earliest start ``>= lo`` of a free slot of length ``d`` ending by ``hi``."""
@@ -121,7 +126,22 @@ class CopyChannel:
             t = s
         return t - d if t - d >= lo - EPS else None
 
+    def earliest_wrapping(self, lo: float, d: float, hi_next: float) -> float | None:
+        """Earliest start ``>= lo`` of a copy of length ``d`` that runs past the end of the
+        iteration (``cycle``) and is done by ``hi_next`` in the next one, on this channel
+        unrolled over two iterations. None if it would fit before the end (then
+        :meth:`earliest` places it) or no such slot is free."""
+        unrolled = CopyChannel()
+        unrolled.busy = self.busy + [(s + self.cycle, e + self.cycle) for s, e in self.busy]
+        a = unrolled.earliest(lo, self.cycle + hi_next, d)
+        return a if a is not None and a + d > self.cycle + EPS else None
+
     def add(self, start: float, end: float) -> None:
+        if self.cycle is not None and end > self.cycle + EPS:   # runs into the next iteration
+            if start < self.cycle:
+                bisect.insort(self.busy, (start, self.cycle))
+            bisect.insort(self.busy, (max(0.0, start - self.cycle), end - self.cycle))
+            return
         bisect.insort(self.busy, (start, end))
 
 
@@ -144,7 +164,7 @@ class PlanState:
         self.free = np.ones(len(info), dtype=bool)  # neither moved nor pinned as a source
         self.moved: set[int] = set()  # swapped or recomputed
         self.row = {int(s): i for i, s in enumerate(self.sids)}
-        self.d2h, self.h2d = CopyChannel(), CopyChannel()
+        self.d2h, self.h2d = CopyChannel(tl.iteration_ms), CopyChannel(tl.iteration_ms)
         self.swaps: list[Swap] = []
         self.recomputes: list[Recompute] = []
 
@@ -220,11 +240,17 @@ class PlanState:
         if not p < nb:
             return None
         d_out, d_in = self._durations(t.nbytes)
-        # Out: after the last access, finished by the iteration end (the runtime waits
-        # for it there, so a copy running past the end would cost time).
-        a = self.d2h.earliest(float(tl.end[t.last]), tl.iteration_ms, d_out)
+        # Out: after the last access. The runtime drops the device copy when the next step
+        # starts, and record_stream keeps the block from reuse until the copy has read it:
+        # a copy done by the iteration end frees the tensor from op 0 on; one that runs into
+        # the next iteration (optimizer state updated at the very end) frees it when it ends.
+        T, lo = tl.iteration_ms, 0
+        a = self.d2h.earliest(float(tl.end[t.last]), T, d_out)
         if a is None:
-            return None
+            a = self.d2h.earliest_wrapping(float(tl.end[t.last]), d_out, float(tl.start[p]))
+            if a is None:
+                return None
+            lo = tl.first_op_starting_at_or_after(a + d_out - T)
         c = self.h2d.latest(float(tl.end[p]), float(tl.start[nb]), d_in)
         if c is None:
             return None
@@ -233,7 +259,7 @@ class PlanState:
                     out_issue_op=tl.last_op_ending_by(a), out_start_ms=a,
                     out_end_ms=a + d_out, release_after_op=tl.num_ops - 1,
                     in_issue_op=k_in, in_start_ms=c, in_end_ms=c + d_in, use_op=nb)
-        return swap, 0, k_in
+        return swap, lo, k_in
 
     # -------------------------------------------------------------- recompute
     def try_recompute(self, p: int, min_bytes: int) -> bool:

@@ -7,7 +7,8 @@ per op, conservatively:
 * swapped transient tensor: gone from the first op that starts after both its copy-out
   has finished and it was released, up to and including ``in_issue_op`` (the copy-in
   allocates its device buffer when it is issued);
-* cross-iteration swap: gone from op 0 of the (next) iteration up to ``in_issue_op``;
+* cross-iteration swap: gone from op 0 of the (next) iteration up to ``in_issue_op``, or,
+  when its copy-out runs past the iteration end, from the first op that starts after it;
 * recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive.
 """
 from __future__ import annotations
@@ -37,8 +38,10 @@ def absent_ranges(timeline: AccessTimeline, plan: Plan) -> dict[int, tuple[int, 
     out: dict[int, tuple[int, int]] = {}
     for s in plan.swaps:
         _known(timeline, s.sid)
-        if s.cross_iteration:
-            out[s.sid] = (0, s.in_issue_op)
+        if s.cross_iteration:   # gone from the next step's start, or from when a copy-out
+            past_end = s.out_end_ms - timeline.iteration_ms   # that ran into it has finished
+            lo = timeline.first_op_starting_at_or_after(past_end) if past_end > 1e-9 else 0
+            out[s.sid] = (lo, s.in_issue_op)
         else:
             freed_at = max(s.out_end_ms, float(timeline.end[s.release_after_op]))
             out[s.sid] = (timeline.first_op_starting_at_or_after(freed_at), s.in_issue_op)

@@ -48,7 +48,9 @@ def check_joint(jobs, jp) -> None:
         assert len(moved) == len(set(moved))
         for s in p.swaps:
             assert tl.tensors[s.sid].swappable
-            assert -EPS <= s.out_start_ms < s.out_end_ms <= tl.iteration_ms + EPS
+            # a copy-out of optimizer state may run into the job's next iteration
+            assert -EPS <= s.out_start_ms < s.out_end_ms < s.out_start_ms + tl.iteration_ms
+            assert s.out_end_ms <= tl.iteration_ms + EPS or s.cross_iteration
             assert -EPS <= s.in_start_ms < s.in_end_ms <= tl.iteration_ms + EPS
     for direction, copies in jp.channel_copies().items():
         for (a0, a1, *_), (b0, b1, *who) in zip(copies, copies[1:]):

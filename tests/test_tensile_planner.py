@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tensile.plan import Plan, Recompute, Swap
 from tensile.planner import plan
-from tensile.simulate import simulate
+from tensile.simulate import absent_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
 EPS = 1e-6
@@ -106,10 +106,21 @@ def check_plan(tl: AccessTimeline, p: Plan) -> None:
         check_recompute(tl, r, set(moved))
     for intervals in ([(s.out_start_ms, s.out_end_ms) for s in p.swaps],
                       [(s.in_start_ms, s.in_end_ms) for s in p.swaps]):
-        intervals.sort()
+        intervals = sorted(folded(intervals, tl.iteration_ms))
         for (a0, a1), (b0, b1) in zip(intervals, intervals[1:]):
             assert b0 >= a1 - EPS, f"copies overlap on one channel: {(a0, a1)} and {(b0, b1)}"
     assert Plan.from_json(p.to_json()) == p
+
+
+def folded(intervals: list[tuple[float, float]], cycle: float) -> list[tuple[float, float]]:
+    """Copy intervals on a channel that repeats every ``cycle`` ms, split at its end."""
+    out = []
+    for a, b in intervals:
+        if a >= cycle - EPS:                        # wholly in the next iteration
+            out.append((a - cycle, b - cycle))
+        else:
+            out += [(a, min(b, cycle))] + ([(0.0, b - cycle)] if b > cycle + EPS else [])
+    return out
 
 
 def check_swap(tl: AccessTimeline, s: Swap) -> None:
@@ -124,7 +135,10 @@ def check_swap(tl: AccessTimeline, s: Swap) -> None:
     if s.cross_iteration:
         assert t.role in CROSS_ITERATION_ROLES, f"cross-iteration swap of a {t.role}"
         assert s.out_start_ms >= tl.end[t.last] - EPS, "copied out before its last update"
-        assert s.out_end_ms <= tl.iteration_ms + EPS
+        assert s.out_end_ms - s.out_start_ms < tl.iteration_ms
+        past_end = s.out_end_ms - tl.iteration_ms      # a copy-out that ran into the next step
+        if past_end > EPS:
+            assert s.in_start_ms >= past_end - EPS, "copied back in before the copy-out ended"
         assert s.use_op <= t.first
     else:
         assert not t.persistent
@@ -248,8 +262,18 @@ def test_cross_iteration_swap_of_optimizer_state():
     assert [s.sid for s in cross if s.sid == 4] == [4]
     assert p.peak_after < p.peak_before
     check_plan(tl, p)
-    tight = plan(_simple(opt_tail_ms=0.1), d2h_bw=1e10, h2d_bw=1e10)
-    assert 4 not in [s.sid for s in tight.swaps]  # 8 MiB cannot leave in 0.1 ms
+    # 8 MiB cannot leave in a 0.1 ms tail: the copy runs into the next iteration, and the
+    # state is gone only from the first op that starts after the copy ended.
+    tl_tight = _simple(opt_tail_ms=0.1)
+    tight = plan(tl_tight, d2h_bw=1e10, h2d_bw=1e10)
+    (s4,) = [s for s in tight.swaps if s.sid == 4]
+    past_end = s4.out_end_ms - tl_tight.iteration_ms
+    assert s4.cross_iteration and past_end > 0
+    lo, hi = absent_ranges(tl_tight, tight)[4]
+    assert lo == tl_tight.first_op_starting_at_or_after(past_end) > 0 and hi == s4.in_issue_op
+    check_plan(tl_tight, tight)
+    slow = plan(tl_tight, d2h_bw=1e7, h2d_bw=1e10)      # 0.8 s to copy out: never in time
+    assert 4 not in [s.sid for s in slow.swaps]
 
 
 def test_recompute_when_swaps_cannot_hide():
