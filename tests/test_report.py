@@ -202,12 +202,18 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     _tensile_row(store, "checkpoint", 160.0, 290.0, 0.71, 0.60)    # lower peak, slower
     _tensile_row(store, "sac", 110.0, 400.0, 0.60, 0.10)           # faster, but more memory
     _tensile_row(store, "tensile", 130.0, 600.0, 0.40, 0.30, model="vgg16")  # paper MSR .326 EOR .263
+    _tensile_row(store, "tensile(max_overhead=0.1)", 125.0, 500.0, 0.50, 0.25, model="vgg16")
+    _tensile_row(store, "tensile(max_overhead=0.1)", 118.0, 550.0, 0.45, 0.10, model="inception_v3")
+    _tensile_row(store, "tensile", 101.0, 900.0, 0.10, 0.01, model="inception_v3")  # paper .585/.300
     df = report.load_rows(tmp_path / "h200")
     v = report.tensile_verdicts(report.tensile_metrics(df),
                                 pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")).set_index("model")
     assert v.loc["resnet50", "verdict"] == "reproduced"
     assert v.loc["resnet50", "vs best built-in"] == "1.33x (checkpoint)"
-    assert v.loc["vgg16", "verdict"] == "not reproduced"          # EOR .30 > .263 / 2
+    assert v.loc["resnet50", "method"] == "tensile"
+    assert v.loc["vgg16", "verdict"] == "not reproduced"          # EOR .25 and .30 > .263 / 2
+    assert v.loc["vgg16", "method"] == "tensile(max_overhead=0.1)"   # no variant meets it: most saved
+    assert v.loc["inception_v3", "MSR"] == 0.45 and v.loc["inception_v3", "verdict"] == "not reproduced"
     assert v.loc["densenet121", "verdict"] == "not measured"
     text = report.write_report(tmp_path / "h200").read_text()
     assert "## TENSILE" in text and "Speedup over eager" not in text

@@ -105,6 +105,15 @@ def test_a_rerun_measures_only_what_is_missing(small, tmp_path):
     assert run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,sac,save_on_cpu]")) == []
 
 
+def test_an_overhead_allowance_is_a_tensile_variant_of_its_own(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]"))
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.max_overhead=0.2"))
+    rows = _rows(tmp_path)
+    assert set(rows) == {"vanilla", "tensile", "tensile(max_overhead=0.2)"}  # vanilla not re-run
+    assert rows["tensile(max_overhead=0.2)"]["status"] == "ok"
+    assert rows["tensile"]["mode"] == rows["tensile(max_overhead=0.2)"]["mode"] == "whole-step"
+
+
 def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "trace=true"))
     for name in ("vanilla", "tensile"):
@@ -172,6 +181,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.memory_gb=16"], "need device=cuda"),
     (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
+    (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),

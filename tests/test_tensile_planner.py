@@ -87,7 +87,7 @@ bandwidths = st.floats(1e7, 1e11)
 
 
 # --------------------------------------------------------------------------- checks
-def check_plan(tl: AccessTimeline, p: Plan) -> None:
+def check_plan(tl: AccessTimeline, p: Plan, max_overhead: float = 0.0) -> None:
     """Every invariant a plan must satisfy on its timeline."""
     sim = simulate(tl, p)
     assert sim.peak == p.peak_after
@@ -95,8 +95,9 @@ def check_plan(tl: AccessTimeline, p: Plan) -> None:
     assert p.peak_after <= p.peak_before
     if p.budget_bytes is not None:
         assert p.feasible == (sim.peak <= p.budget_bytes)
-    else:
-        assert p.feasible and not p.recomputes and p.est_overhead_ms == 0
+    else:   # no budget: recomputation only within the allowance
+        assert p.feasible and p.est_overhead_ms <= max_overhead * tl.iteration_ms + EPS
+        assert bool(p.recomputes) <= (max_overhead > 0)
 
     moved = [s.sid for s in p.swaps] + [r.sid for r in p.recomputes]
     assert len(moved) == len(set(moved)), "a tensor is planned twice"
@@ -179,6 +180,17 @@ def test_plan_invariants(tl, d2h, h2d, frac, use_budget, recompute, cross):
         assert not any(s.cross_iteration for s in p.swaps)
     if not recompute:
         assert not p.recomputes
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tl=timelines(), bw=bandwidths, overhead=st.floats(0.0, 0.5))
+def test_an_overhead_allowance_only_lowers_the_peak_and_stays_within_it(tl, bw, overhead):
+    swaps_only = plan(tl, d2h_bw=bw, h2d_bw=bw)
+    p = plan(tl, d2h_bw=bw, h2d_bw=bw, max_overhead=overhead)
+    check_plan(tl, p, max_overhead=overhead)
+    assert sum(r.cost_ms for r in p.recomputes) <= overhead * tl.iteration_ms + EPS
+    if not p.recomputes:   # the greedy made the same choices: the same plan
+        assert p.peak_after == swaps_only.peak_after
 
 
 @settings(max_examples=80, deadline=None)
@@ -276,16 +288,32 @@ def test_cross_iteration_swap_of_optimizer_state():
     assert 4 not in [s.sid for s in slow.swaps]
 
 
+SLOW_OPS = [
+    ("a", "forward", 1.0, [1], [10]),
+    ("b", "forward", 1.0, [10], [11]),      # 11 = b(10), 10 stays for backward
+    ("c", "forward", 1.0, [11], [12]),
+    ("l", "loss", 1.0, [12], [13, 16]),    # 16: scratch, the peak
+    ("c_bwd", "backward", 1.0, [13, 11], [14]),
+    ("b_bwd", "backward", 1.0, [14, 10], [15]),
+]
+SLOW_SIZES = {1: MB, 10: 2 * MB, 11: 8 * MB, 12: MB, 13: 4, 14: MB, 15: MB, 16: 8 * MB}
+
+
+def test_max_overhead_recomputes_what_no_copy_can_move_within_the_allowance():
+    tl = AccessTimeline.from_ops(SLOW_OPS, SLOW_SIZES, {1: "input"})   # a 6 ms iteration
+    slow = dict(d2h_bw=1e3, h2d_bw=1e3)                                 # nothing hides at 1 kB/s
+    assert plan(tl, **slow).peak_after == plan(tl, **slow).peak_before
+    assert not plan(tl, **slow, max_overhead=0.1).recomputes           # 1 ms > 10 % of 6 ms
+    p = plan(tl, **slow, max_overhead=0.2)
+    assert [r.sid for r in p.recomputes] == [11] and p.est_overhead_ms == pytest.approx(1.0)
+    assert p.peak_after == p.peak_before - 8 * MB and p.feasible
+    check_plan(tl, p, max_overhead=0.2)
+    with pytest.raises(ValueError, match="max_overhead must be a fraction of the iteration time >= 0"):
+        plan(tl, **slow, max_overhead=-0.1)
+
+
 def test_recompute_when_swaps_cannot_hide():
-    ops = [
-        ("a", "forward", 1.0, [1], [10]),
-        ("b", "forward", 1.0, [10], [11]),      # 11 = b(10), 10 stays for backward
-        ("c", "forward", 1.0, [11], [12]),
-        ("l", "loss", 1.0, [12], [13, 16]),    # 16: scratch, the peak
-        ("c_bwd", "backward", 1.0, [13, 11], [14]),
-        ("b_bwd", "backward", 1.0, [14, 10], [15]),
-    ]
-    sizes = {1: MB, 10: 2 * MB, 11: 8 * MB, 12: MB, 13: 4, 14: MB, 15: MB, 16: 8 * MB}
+    ops, sizes = SLOW_OPS, SLOW_SIZES
     tl = AccessTimeline.from_ops(ops, sizes, {1: "input"})
     slow = dict(d2h_bw=1e3, h2d_bw=1e3)
     assert not plan(tl, **slow).swaps  # nothing hides at 1 kB/s

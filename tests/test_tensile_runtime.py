@@ -99,6 +99,20 @@ def test_recompute_plan_matches_within_tolerance(reference):
     assert not any("batch_norm" in tl.names[r.producer_op] for r in sched.plan.recomputes)
 
 
+def test_an_overhead_allowance_recomputes_without_a_budget_and_trains_the_same(reference):
+    model0, opt0, _ = reference
+    model, opt, _, sched = scheduled(budget=None, max_overhead=0.2, allow_cross_iteration=False,
+                                     d2h_bw=1e3, h2d_bw=1e3, replan=False)
+    assert sched.plan.recomputes and sched.plan.budget_bytes is None
+    assert sched.plan.est_overhead_ms <= 0.2 * sched.timeline.iteration_ms
+    assert sched.plan.peak_after < sched.plan.peak_before
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match="max_overhead=0.1 is an option of TENSILE's own planner"):
+        tensile.Scheduler(make_cnn(), torch.optim.Adam(make_cnn().parameters()), batches(1)[0],
+                          nn.functional.cross_entropy, max_overhead=0.1, planner=lambda *a, **k: None)
+
+
 def test_late_swap_in_is_done_on_demand_and_counted(reference):
     n = 4
     model0, opt0, _ = vanilla(n)
