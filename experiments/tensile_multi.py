@@ -166,6 +166,7 @@ class Options:
     iters: int = 50
     image_size: int = 32
     budget_bytes: int | None = None     # the scheduler's --budget (all jobs together)
+    max_overhead: float = 0.0           # the scheduler's --max-overhead (recompute allowance)
     memory_gb: float | None = None      # emulated GPU size: caps every job process
     gpu_index: int | None = None
     timeout_s: float = 900.0            # per setting, both phases
@@ -191,6 +192,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"img={opts.image_size}")
     if opts.budget_bytes is not None:
         parts.append(f"budget={opts.budget_bytes}")
+    if opts.max_overhead:
+        parts.append(f"max_overhead={opts.max_overhead:g}")
     if opts.memory_gb is not None:
         parts.append(f"mem={opts.memory_gb:g}GiB")
     return "".join("," + p for p in parts)
@@ -626,6 +629,7 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
         time.sleep(0.2)  # idle samples: the baseline before any job
         if sock is not None:
             args = [] if opts.budget_bytes is None else ["--budget", str(opts.budget_bytes)]
+            args += ["--max-overhead", str(opts.max_overhead)] if opts.max_overhead else []
             procs.append(_spawn_server(sock, args, work / f"scheduler-{phase}.log", env, deadline))
         for o in outs:
             jid = o.spec.job_id
@@ -1062,6 +1066,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5, help="warm-up steps, >= 2 (default 5)")
     ap.add_argument("--budget", type=_parse_budget, default=None,
                     help="the scheduler's memory budget for all jobs, e.g. 60G (default none)")
+    ap.add_argument("--max-overhead", type=float, default=0.0,
+                    help="the scheduler's recompute allowance without --budget, a share of each "
+                         "job's iteration time (default 0: swaps only)")
     ap.add_argument("--memory-gb", type=_positive_float, default=None,
                     help="emulate a GPU of this many GiB: caps every job process (cuda only)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -1111,12 +1118,15 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
         if importlib.util.find_spec("pynvml") is None:
             ap.error("--device cuda samples GPU memory through NVML: install nvidia-ml-py "
                      "(the pynvml module)")
+    if not 0 <= args.max_overhead < 1:
+        ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
     budget = args.budget
     if budget is None and args.memory_gb is not None:
         from experiments.tensile_run import EMULATED_HEADROOM
         budget = int(EMULATED_HEADROOM * args.memory_gb * 2**30)
     opts = Options(device=args.device, batch=args.batch, warmup=args.warmup, iters=args.iters,
                    image_size=args.image_size or IMAGE_SIZE[args.device], budget_bytes=budget,
+                   max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)

@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
-from .planner import EPS, CopyChannel, PlanState, check_plan_args
+from .planner import EPS, CopyChannel, PlanState, check_max_overhead, check_plan_args
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -304,13 +304,17 @@ def plan_jobs(
     d2h_bw: float,
     h2d_bw: float,
     copy_latency_ms: float = 0.01,
+    max_overhead: float = 0.0,
 ) -> JointPlan:
     """One joint plan for ``jobs`` on one GPU with one budget and shared copy channels.
 
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
-    hidden swaps only); ``d2h_bw``/``h2d_bw`` are the GPU's copy bandwidths in bytes/s.
+    hidden swaps, then with recomputation that adds at most ``max_overhead`` x each job's
+    iteration time, as :func:`tensile.planner.plan`); ``d2h_bw``/``h2d_bw`` are the GPU's
+    copy bandwidths in bytes/s.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, 1)
+    check_max_overhead(max_overhead)
     for j in jobs:
         _positive(j.weight, f"job {j.job_id}: weight")
         if not isinstance(j.min_bytes, (int, np.integer)) or j.min_bytes < 1:
@@ -333,11 +337,18 @@ def plan_jobs(
     mem = curve()
     peak_before = int(mem.max())
     classes = sorted({j.weight for j in jobs})
+
+    def recompute_allowance_ms(jid: str) -> float:
+        if budget_bytes is not None:
+            return float("inf")
+        st = states[jid]
+        return max_overhead * st.tl.iteration_ms - sum(r.cost_ms for r in st.recomputes)
+
     while True:
         p = int(np.argmax(mem))
         if budget_bytes is not None and mem[p] <= budget_bytes:
             break
-        if not _shave_once(p, classes, jobs, lay, states, failed, budget_bytes is not None):
+        if not _shave_once(p, classes, jobs, lay, states, failed, recompute_allowance_ms):
             break
         mem = curve()
 
@@ -365,7 +376,7 @@ def plan_jobs(
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
                 states: dict[str, PlanState], failed: dict[str, set[tuple[int, int]]],
-                with_budget: bool) -> bool:
+                allowance_ms: Callable[[str], float]) -> bool:
     """Move one tensor off the device at joint segment ``p`` (weight rule: module doc)."""
     for w in classes:
         group = [j for j in jobs if j.weight == w]
@@ -376,10 +387,11 @@ def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: Join
             if states[j.job_id].try_swap(at[j.job_id], j.allow_cross_iteration, j.min_bytes,
                                          failed[j.job_id]):
                 return True
-        if with_budget:
-            for j in group:
-                if j.allow_recompute and states[j.job_id].try_recompute(at[j.job_id], j.min_bytes):
-                    return True
+        for j in group:
+            left = allowance_ms(j.job_id)
+            if j.allow_recompute and left > 0 and \
+                    states[j.job_id].try_recompute(at[j.job_id], j.min_bytes, left):
+                return True
     return False
 
 

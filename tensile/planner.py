@@ -62,9 +62,7 @@ def plan(
     ``max_overhead`` is not used: recomputation goes as far as the budget needs.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
-    if not (isinstance(max_overhead, (int, float)) and 0 <= max_overhead < float("inf")):
-        raise ValueError(f"max_overhead must be a fraction of the iteration time >= 0, "
-                         f"got {max_overhead!r}")
+    check_max_overhead(max_overhead)
     allowance_ms = float("inf") if budget_bytes is not None else max_overhead * timeline.iteration_ms
     t0 = time.perf_counter()
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
@@ -314,6 +312,13 @@ class PlanState:
         if not t.persistent and t.last < j:
             return False
         return not any(prod < w <= j for w in t.writes)
+
+
+def check_max_overhead(max_overhead) -> None:
+    if isinstance(max_overhead, bool) or not (isinstance(max_overhead, (int, float))
+                                              and 0 <= max_overhead < float("inf")):
+        raise ValueError(f"max_overhead must be a fraction of the iteration time >= 0, "
+                         f"got {max_overhead!r}")
 
 
 def check_plan_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .estimate import EWMA_NEW_WEIGHT, DriftDetector
 from .multi import JobSpec, JointPlan, plan_jobs
+from .planner import check_max_overhead
 from .protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, check_length, decode,
                        default_socket_path, encode, timeline_from_wire, validate_job_message)
 from .timeline import AccessTimeline
@@ -83,7 +84,8 @@ class SchedulerServer:
     """The scheduler: ``await serve()`` until :meth:`stop` (thread-safe) or a signal.
 
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
-    hidden swaps). The copy bandwidths default to the smallest any job measured (one
+    hidden swaps, and with recomputation adding at most ``max_overhead`` x each job's
+    iteration time). The copy bandwidths default to the smallest any job measured (one
     GPU, one bus). A job silent for ``heartbeat_timeout_s`` is dropped.
     """
 
@@ -91,7 +93,8 @@ class SchedulerServer:
                  budget_bytes: int | None = None, heartbeat_timeout_s: float = 60.0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
-                 copy_latency_ms: float = 0.01) -> None:
+                 copy_latency_ms: float = 0.01, max_overhead: float = 0.0) -> None:
+        check_max_overhead(max_overhead)
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
         if not heartbeat_timeout_s > 0:
@@ -105,6 +108,7 @@ class SchedulerServer:
         self.max_message_bytes = int(max_message_bytes)
         self.d2h_bw, self.h2d_bw = d2h_bw, h2d_bw
         self.copy_latency_ms = copy_latency_ms
+        self.max_overhead = float(max_overhead)
         self.jobs: dict[str, _Job] = {}
         self.version = 0
         self.replans: list[str] = []       # reasons, in order (for tests and logs)
@@ -344,7 +348,7 @@ class SchedulerServer:
             try:
                 joint = await asyncio.to_thread(
                     plan_jobs, specs, budget_bytes=self.budget_bytes, d2h_bw=d2h, h2d_bw=h2d,
-                    copy_latency_ms=self.copy_latency_ms)
+                    copy_latency_ms=self.copy_latency_ms, max_overhead=self.max_overhead)
             except Exception as e:
                 log.exception("re-plan failed (%s); jobs keep their plans", "; ".join(reasons))
                 for j in jobs:  # registrations in this batch: refuse them
@@ -505,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=_parse_bytes, default=None,
                     help="memory budget for all jobs together, e.g. 60G (default: minimise "
                          "the joint peak with hidden swaps only)")
+    ap.add_argument("--max-overhead", type=float, default=0.0,
+                    help="without --budget, also recompute activations while that adds at "
+                         "most this share of each job's iteration time (default 0: swaps only)")
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
                     help="drop a job silent for this many seconds (default 60)")
     ap.add_argument("--d2h-bw", type=float, default=None,
@@ -517,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = SchedulerServer(args.socket, budget_bytes=args.budget,
                                  heartbeat_timeout_s=args.heartbeat_timeout,
-                                 d2h_bw=args.d2h_bw, h2d_bw=args.h2d_bw)
+                                 d2h_bw=args.d2h_bw, h2d_bw=args.h2d_bw,
+                                 max_overhead=args.max_overhead)
     except ValueError as e:
         ap.error(str(e))
     try:

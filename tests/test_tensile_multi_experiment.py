@@ -165,6 +165,8 @@ def test_settings_follow_the_scenario_rules():
                                          "copies:resnet50x1,budget=1073741824",
                                          "copies:resnet50x3,budget=1073741824"]
     assert [j.job_id for j in copies[1].jobs] == ["vgg16-1", "vgg16-2", "vgg16-3"]
+    low = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, max_overhead=0.05))
+    assert [s.label for s in low] == ["copies:vgg16x2,max_overhead=0.05"]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
@@ -235,6 +237,8 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
                                                     "--device cuda"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
+    (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
+                                                         "iteration time in [0, 1), got 1.5"]),
 ])
 def test_bad_command_lines_exit_2_naming_what_is_expected(argv, expected, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def job_timeline() -> AccessTimeline:
-    """A small training step (33 MiB vanilla peak; hidden swaps bring it to 25 MiB)."""
+    """A small training step (33 MiB vanilla peak; hidden swaps bring it to 23 MiB)."""
     sizes = {1: 4 * MB, 2: 8 * MB, 3: 8 * MB, 4: 8 * MB, 5: 1 * MB, 6: 2 * MB, 7: 2 * MB}
     roles = {1: "input", 6: "param", 7: "opt_state"}
     ops = [("a", "forward", 1.0, [1, 6], [2]), ("b", "forward", 1.0, [2], [3]),
@@ -208,6 +208,16 @@ def test_registration_gets_a_plan_and_the_socket_is_private(start_server, client
     assert plan.num_ops == 8 and plan.peak_before == 33 * MB and plan.peak_after == 23 * MB
     assert [s.sid for s in plan.swaps if s.cross_iteration] == [7]
     assert c.heartbeat() is plan  # nothing changed: the same object
+
+
+def test_a_recompute_allowance_reaches_the_jobs_plans(start_server, clients):
+    srv = start_server(max_overhead=0.2, d2h_bw=1e3, h2d_bw=1e3)   # copies far too slow
+    plan = clients(srv).register(job_timeline(), bandwidths=BW)
+    assert plan.recomputes and not plan.swaps and plan.budget_bytes is None
+    assert plan.est_overhead_ms <= 0.2 * job_timeline().iteration_ms
+    assert plan.peak_after < plan.peak_before
+    with pytest.raises(ValueError, match="max_overhead must be a fraction of the iteration time"):
+        SchedulerServer(srv.path.parent / "x.sock", max_overhead=-1)
 
 
 def test_arrival_replans_both_jointly(start_server, clients):
