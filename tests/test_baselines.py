@@ -108,8 +108,9 @@ def test_cpu_backend_matches_eager(backend_name: str, model_name: str) -> None:
 
 
 @pytest.mark.slow
-def test_inductor_cpu_matches_eager_on_small_model() -> None:
-    version = _check_equal_to_eager("inductor", "branchy")
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_inductor_cpu_matches_eager(model_name: str) -> None:
+    version = _check_equal_to_eager("inductor", model_name)
     assert "mode=default" in version
 
 
