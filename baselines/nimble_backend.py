@@ -147,6 +147,19 @@ class NimbleChannelsLastBackend(NimbleBackend):
     channels_last = True
 
 
+class NimbleAutoBackend(NimbleBackend):
+    """Whole-step training on the plan's streams or on one stream, whichever replays faster
+    on the example batch (``prepare_step(use_multi_stream="auto")``). Whole-step only."""
+
+    name = "nimble-auto"
+    multi_stream = "auto"
+
+    def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
+                training: bool = False) -> Callable[..., Any]:
+        raise BackendUnavailable(f"{self.name} is for whole-step training only "
+                                 "(experiment.mode=whole-step)")
+
+
 class NimbleInductorBackend(Backend):
     """Inductor-compiled segments on Nimble's streams, one CUDA graph (:mod:`nimble.inductor`).
     Compiles every segment separately: minutes for the NAS nets (hundreds of segments)."""
@@ -174,3 +187,4 @@ register_backend("nimble-split", NimbleSplitBackend)
 register_backend("nimble-cl", NimbleChannelsLastBackend)
 register_backend("nimble-prio", NimblePriorityBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)
+register_backend("nimble-auto", NimbleAutoBackend)

@@ -357,7 +357,7 @@ class Nimble:
 
     def prepare_step(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
                      dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                     optimizer: torch.optim.Optimizer, use_multi_stream: bool = True, *,
+                     optimizer: torch.optim.Optimizer, use_multi_stream: bool | str = True, *,
                      max_streams: int | None = None,
                      split_conv_backward: bool = False,
                      channels_last: bool = False) -> Callable[..., torch.Tensor]:
@@ -372,9 +372,15 @@ class Nimble:
         channels-last (NHWC) *in place* (the optimizer keeps the same parameter objects;
         values are unchanged, only strides) and captures with NHWC static inputs; calls
         still take ordinary tensors. cuDNN's tensor-core convolutions want NHWC.
-        """
-        from .training import WholeStep
 
+        ``use_multi_stream="auto"`` captures the step on the plan's streams and on one
+        stream, times both on the example batch and keeps the faster (a note in ``stats``
+        gives both times); the capture then takes about twice as long.
+        """
+        from .training import WholeStep, faster_whole_step
+
+        if use_multi_stream not in (True, False, "auto"):
+            raise NimbleError(f"use_multi_stream must be True, False or 'auto', got {use_multi_stream!r}")
         start = time.perf_counter()
         inputs = self._check_prepare_args(dummy_input, training=True)
         if not isinstance(dummy_target, torch.Tensor) or not dummy_target.is_cuda:
@@ -389,7 +395,10 @@ class Nimble:
             self.stats.notes.append("channels_last: module (in place) and static inputs in NHWC")
         self._run_module = self.module
         self._count_weights()
-        step = WholeStep(self, inputs, dummy_target, loss_fn, optimizer)
+        if use_multi_stream == "auto":
+            step = faster_whole_step(self, inputs, dummy_target, loss_fn, optimizer)
+        else:
+            step = WholeStep(self, inputs, dummy_target, loss_fn, optimizer)
         self.stats.prepare_s = time.perf_counter() - start
         return step
 

@@ -456,3 +456,10 @@ def test_a_second_inductor_compile_of_the_same_model_says_it_came_from_the_cache
     assert first.status == second.status == "ok", (first.reason, second.reason)
     assert first.fn.extra["compile_cache"] == "cold" and first.fn.extra["fxgraph_cache_misses"] >= 1
     assert second.fn.extra["compile_cache"] == "warm" and second.fn.extra["fxgraph_cache_hits"] >= 1
+
+
+def test_nimble_auto_is_whole_step_only() -> None:
+    r = try_prepare(get_backend("nimble-auto"), _branchy(), (_inputs(MODELS["branchy"][1]),), "cuda")
+    assert r.status == "unavailable" and r.fn is None
+    if torch.cuda.is_available():
+        assert "whole-step training only" in r.reason

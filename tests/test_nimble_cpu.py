@@ -118,6 +118,14 @@ def test_prepare_without_cuda_says_so():
         Nimble(nn.ReLU().eval()).prepare(torch.randn(2))
 
 
+def test_prepare_step_names_its_stream_choices():
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NimbleError, match="use_multi_stream must be True, False or 'auto', got 'fast'"):
+        Nimble(model).prepare_step(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
+                                   nn.functional.cross_entropy, opt, use_multi_stream="fast")
+
+
 def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
     """Measured on the H200: multi-stream capture under cudaMallocAsync aborts the process."""
     import nimble.capture as capture

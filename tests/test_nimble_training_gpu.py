@@ -222,3 +222,26 @@ def test_whole_step_in_channels_last_matches_eager(name):
         assert torch.isfinite(step((x,), y))
 
     run_against_eager(model, opt, nimble_step, ref, ref_opt, data)
+
+
+@pytest.mark.parametrize("name", ["resnet50", "mobilenet_v2"])
+def test_whole_step_auto_keeps_the_faster_graph_and_trains_like_eager(name):
+    data, model, ref = eager_twin(name)
+    opt, ref_opt = make_opt("sgd", model, capturable=True), make_opt("sgd", ref, capturable=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = Nimble(model)
+    step = fast.prepare_step(data[0][0], data[0][1], F.cross_entropy, opt, use_multi_stream="auto")
+    note = fast.stats.notes[-1]
+    assert note.startswith("use_multi_stream='auto'"), fast.stats.notes
+    if "nothing to compare" not in note:      # both graphs were timed: the faster is kept
+        multi_ms, single_ms = (float(part.split(" ms")[0].split()[-1]) for part in note.split(", ")[:2])
+        assert ("kept the streams" in note) == (multi_ms < single_ms)
+        assert fast.stats.num_streams == (1 if "kept one stream" in note else fast.plan.num_streams)
+    # the timing replays trained: all of it was put back
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+    def nimble_step(x, y):
+        assert torch.isfinite(step((x,), y))
+
+    run_against_eager(model, opt, nimble_step, ref, ref_opt, data)
