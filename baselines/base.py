@@ -11,6 +11,8 @@ Backends register themselves by name in :data:`BACKENDS`; other packages add the
 """
 from __future__ import annotations
 
+import inspect
+
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -102,11 +104,11 @@ class PrepareResult:
     version: str
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {}
+BACKENDS: dict[str, Callable[..., Backend]] = {}
 
 
-def register_backend(name: str, factory: Callable[[], Backend]) -> None:
-    """Make ``get_backend(name)`` return ``factory()``.
+def register_backend(name: str, factory: Callable[..., Backend]) -> None:
+    """Make ``get_backend(name, **options)`` return ``factory(**options)``.
 
     Registering a name twice is an error unless it is the same factory (or the same
     function re-created by a module reload), so two packages cannot silently clash.
@@ -126,13 +128,20 @@ def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
-def get_backend(name: str) -> Backend:
-    """A fresh backend object for ``name``; KeyError listing the valid names otherwise."""
+def get_backend(name: str, **options: Any) -> Backend:
+    """A fresh backend object for ``name`` with the backend's own ``options`` (e.g.
+    ``fuser="none"`` for torchscript); KeyError listing the valid names for an unknown
+    backend, ValueError naming the accepted options for an unknown option."""
     try:
         factory = BACKENDS[name]
     except KeyError:
         raise KeyError(f"unknown backend {name!r}; valid names: {', '.join(sorted(BACKENDS))}") from None
-    return factory()
+    accepted = [p.name for p in inspect.signature(factory).parameters.values()
+                if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"backend {name} takes the options {accepted or 'none'}; got {unknown}")
+    return factory(**options)
 
 
 def parse_device(device: str | torch.device) -> torch.device:

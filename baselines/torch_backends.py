@@ -26,7 +26,6 @@ __all__ = [
     "static_graph_fn",
     "WARMUP_ITERS",
     "JIT_FUSERS",
-    "FUSER_ENV",
 ]
 
 WARMUP_ITERS = 3  # before capture: cuDNN algorithm choice, lazy init, allocator warm-up
@@ -81,7 +80,6 @@ class EagerBackend(Backend):
 # TorchScript fusers: "default" leaves PyTorch's settings alone (NNC on CUDA, no fusion on CPU);
 # the others are torch.jit.fuser's names ("fuser1" = NNC, which needs an LLVM-enabled torch on CPU).
 JIT_FUSERS: tuple[str, ...] = ("default", "none", "fuser0", "fuser1")
-FUSER_ENV = "NIMBLE_TORCHSCRIPT_FUSER"  # how a job picks the fuser (the runner builds by name)
 
 # torch.jit.fuser names left out, and why (torch 2.11-2.14).
 _REFUSED_FUSERS = {
@@ -185,10 +183,6 @@ class TorchScriptBackend(Backend):
         return run
 
 
-def _torchscript_from_env() -> TorchScriptBackend:
-    """The registered "torchscript": its fuser from ``$NIMBLE_TORCHSCRIPT_FUSER`` (unset or
-    empty: "default"), since the runner builds backends by name alone (as tvm-tuned's budget)."""
-    return TorchScriptBackend(fuser=os.environ.get(FUSER_ENV) or "default")
 
 
 class CudaGraphBackend(Backend):
@@ -376,7 +370,7 @@ def _inductor_max_autotune() -> InductorBackend:
 
 
 register_backend("eager", EagerBackend)
-register_backend("torchscript", _torchscript_from_env)
+register_backend("torchscript", TorchScriptBackend)
 register_backend("cudagraph", CudaGraphBackend)
 register_backend("cudagraph-cl", CudaGraphChannelsLastBackend)
 register_backend("inductor", InductorBackend)

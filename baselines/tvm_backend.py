@@ -494,9 +494,10 @@ def _installed_version(dist: str) -> str | None:
         return None
 
 
-def _tvm_tuned() -> TvmBackend:
-    """The tuned variant; the trial budget comes from $NIMBLE_TVM_TUNE_TRIALS (default 2000)."""
-    return TvmBackend(tune_trials=int(os.environ.get("NIMBLE_TVM_TUNE_TRIALS", "2000")))
+def _tvm_tuned(tune_trials: int = 2000) -> TvmBackend:
+    """The tuned variant: MetaSchedule with a global budget of ``tune_trials`` trials
+    (config: ``backend_options.tvm-tuned.tune_trials``)."""
+    return TvmBackend(tune_trials=int(tune_trials))
 
 
 register_backend("tvm", TvmBackend)

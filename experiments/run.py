@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from experiments.env import environment, gpu_slug, host_load
@@ -114,9 +114,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"unknown backend(s) {unknown}; valid: {', '.join(sorted(registry))}")
     if len(set(names)) != len(names):
         raise ConfigError(f"backends lists a backend twice: {names}")
-    for n in names:  # a backend's own settings (e.g. $NIMBLE_TORCHSCRIPT_FUSER) are checked here
+    for n in names:  # a backend's own options (backend_options.<name>) are checked here
         try:
-            _backends().get_backend(n)
+            _backends().get_backend(n, **backend_options(cfg, n))
         except ValueError as e:
             raise ConfigError(f"backend {n}: {e}") from None
     if cfg.timing.iters < 1 or cfg.timing.warmup < 0:
@@ -297,11 +297,17 @@ def _training_step(model: torch.nn.Module, forward: Callable, cfg: DictConfig) -
     return step
 
 
+def backend_options(cfg: DictConfig, name: str) -> dict[str, Any]:
+    """The options of backend ``name`` from ``cfg.backend_options`` (none: ``{}``)."""
+    options = (cfg.get("backend_options") or {}).get(name) or {}
+    return dict(OmegaConf.to_container(options, resolve=True)) if isinstance(options, DictConfig) else dict(options)
+
+
 def measure_backend(name: str, model: torch.nn.Module, inputs: tuple, cfg: DictConfig,
                     device: str, reference: Any, out_dir: Path) -> dict[str, Any]:
     """Prepare ``name`` on a copy of ``model`` and time it; returns the row's measured fields."""
     base = _backends()
-    backend = base.get_backend(name)
+    backend = base.get_backend(name, **backend_options(cfg, name))
     training = cfg.experiment.name == "training"
     fields: dict[str, Any] = {"backend_version": ""}
     if training and not getattr(backend, "supports_training", False):

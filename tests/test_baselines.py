@@ -23,7 +23,7 @@ from torch import nn
 
 from baselines import (BACKENDS, Availability, Backend, BackendUnavailable, get_backend, register_backend,
                        try_prepare)
-from baselines.torch_backends import FUSER_ENV, TorchScriptBackend, jit_fuser
+from baselines.torch_backends import TorchScriptBackend, jit_fuser
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL, ATOL = 1e-4, 1e-5
@@ -242,8 +242,7 @@ def test_torchscript_fuser_none_is_in_force_while_tracing_and_calling() -> None:
     assert version == f"torch {torch.__version__} (torchscript fuser=none)"
 
 
-def test_torchscript_default_fuser_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(FUSER_ENV, raising=False)
+def test_torchscript_default_fuser_is_unchanged() -> None:
     backend = get_backend("torchscript")
     assert backend.fuser == "default"
     traced, called, version = _run_probe(backend)
@@ -278,18 +277,21 @@ def test_jit_fuser_sets_what_torch_jit_fuser_sets(name: str) -> None:
         assert flags() == before
 
 
-def test_torchscript_bad_fuser_is_refused_naming_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torchscript_bad_fuser_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError) as e:
         TorchScriptBackend(fuser="nnc")
     assert str(e.value) == ("torchscript fuser must be one of 'default', 'none', 'fuser0', 'fuser1'; "
                             "got 'nnc'")
     with pytest.raises(ValueError, match="got 'fuser2' .*nvFuser"):
         TorchScriptBackend(fuser="fuser2")
-    monkeypatch.setenv(FUSER_ENV, "None")
     with pytest.raises(ValueError, match="got 'None'"):
-        get_backend("torchscript")
-    monkeypatch.setenv(FUSER_ENV, "none")
-    assert get_backend("torchscript").fuser == "none"
+        get_backend("torchscript", fuser="None")
+    assert get_backend("torchscript", fuser="none").fuser == "none"
+    with pytest.raises(ValueError, match=r"backend torchscript takes the options \['fuser'\]; got \['fusr'\]"):
+        get_backend("torchscript", fusr="none")
+    with pytest.raises(ValueError, match=r"backend eager takes the options none; got \['fuser'\]"):
+        get_backend("eager", fuser="none")
+    assert get_backend("tvm-tuned", tune_trials=64).tune_trials == 64
 
 
 # ------------------------------------------------------------------ TVM artifacts

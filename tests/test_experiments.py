@@ -231,10 +231,21 @@ def test_backend_timeout_must_be_positive_seconds_or_null(fakes, tmp_path, value
                   r"backend_timeout_s must be a number of seconds > 0, or null")
 
 
-def test_a_bad_backend_setting_is_a_config_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("NIMBLE_TORCHSCRIPT_FUSER", "nnc")
-    _config_error(_compose(["device=cpu", "backends=[eager,torchscript]", f"results_dir={tmp_path}"]),
+def test_a_bad_backend_option_is_a_config_error(tmp_path):
+    _config_error(_compose(["device=cpu", "backends=[eager,torchscript]", f"results_dir={tmp_path}",
+                            "backend_options.torchscript.fuser=nnc"]),
                   r"backend torchscript: torchscript fuser must be one of .*got 'nnc'")
+    _config_error(_compose(["device=cpu", "backends=[eager,tvm]", f"results_dir={tmp_path}",
+                            "+backend_options.tvm.trials=5"]),
+                  r"backend tvm: backend tvm takes the options \['source', .*got \['trials'\]")
+
+
+def test_backend_options_reach_the_backend(tmp_path):
+    cfg = _compose(["device=cpu", "backends=[torchscript]", "backend_options.torchscript.fuser=none",
+                    f"results_dir={tmp_path}"])
+    assert run.backend_options(cfg, "torchscript") == {"fuser": "none"}
+    assert run.backend_options(cfg, "eager") == {}
+    assert run.backend_options(cfg, "tvm-tuned") == {"tune_trials": 2000}
 
 
 def test_backend_timeout_accepts_seconds_and_null(fakes, tmp_path):
