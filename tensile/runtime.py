@@ -342,10 +342,18 @@ class PlanRunner:
 
     # ================================================================== plan setup
     def set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan`` between steps (swapped-out parameters come back first)."""
+        """Switch to ``plan`` between steps (swapped-out parameters come back first).
+
+        On a re-plan the blocks the caching allocator kept for the old plan go back to the
+        driver, so the GPU's memory (NVML: what other jobs on the GPU can get) falls to what
+        the new plan needs; otherwise it would stay at the largest plan's peak, vanilla's
+        from the cold start on."""
         if plan.num_ops != len(self.nodes):
             raise ValueError(f"the plan is for {plan.num_ops} ops, the recording has {len(self.nodes)}")
         self.restore_all()
+        if self.plan is not None and not self.simulate:
+            torch.cuda.synchronize(self.device)   # copies of the old plan still read their blocks
+            torch.cuda.empty_cache()
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -125,3 +125,26 @@ def test_recompute_plan_within_tolerance_on_gpu():
     assert sched.report().recomputes > 0
     for a, b in zip(states(m0, o0), states(m1, o1)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_a_new_plan_gives_the_old_plans_cached_memory_back():
+    """NVML counts what the caching allocator reserves: after a re-plan to a smaller peak the
+    reserved memory must fall with it, or other jobs on the GPU gain nothing."""
+    data = batches(6, batch=64, hw=64)
+    model = make_cnn(width=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    budget = int(0.6 * planned_vanilla_peak(data, width=64))
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, budget=budget,
+                              replan=False)
+    small = sched.plan
+    empty = dataclasses.replace(small, swaps=[], recomputes=[])
+    sched.runner.set_plan(empty)                 # vanilla: the allocator caches the full peak
+    for b in data[:2]:
+        sched.step(*b)
+    torch.cuda.synchronize()
+    vanilla_reserved = torch.cuda.memory_reserved()
+    sched.runner.set_plan(small)
+    for b in data[2:4]:
+        sched.step(*b)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() < vanilla_reserved
