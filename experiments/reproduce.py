@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TENSILE_MULTI", "TRACE_MODEL", "plan", "main"]
+__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TENSILE_MULTI", "HEADROOM", "TRACE_MODEL", "plan", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "results"
@@ -35,6 +35,9 @@ CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",
 TENSILE_MULTI = [["--scenario", "copies", "--copies", "1,2,3", "--batch", "2"],
                  ["--scenario", "mdw", "--batch", "2"],
                  ["--scenario", "dynamic", "--batch", "2"]]
+# The GPU's concurrency at batch 1 and 32 (experiments/headroom.py): the multi-stream nets.
+HEADROOM = ["--models", "nasnet_a_mobile,nasnet_a_large,amoebanet,darts,inception_v3,googlenet",
+            "--batch", "1,32", "--copies", "2"]
 # The model whose multi-stream replay is traced for the Gantt plot (6 streams in the analysis).
 TRACE_MODEL = "inception_v3"
 
@@ -60,6 +63,9 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         steps += [(f"TENSILE, several jobs: {' '.join(args)}",
                    [sys.executable, "-m", "experiments.tensile_multi", *args])
                   for args in TENSILE_MULTI]
+        steps.append(("concurrency headroom: K model copies, one stream vs K streams",
+                      [sys.executable, "-m", "experiments.headroom", *HEADROOM,
+                       "--results", str(RESULTS)]))
         from experiments.env import gpu_slug
         trace = RESULTS / gpu_slug() / f"trace_{TRACE_MODEL}_nimble.json"
         if not trace.exists():  # re-measures one row (redo) to record its trace
@@ -69,6 +75,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
     steps = [analysis, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
+    skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")
     skipped.append(f"profiler trace of {TRACE_MODEL}: needs a CUDA GPU")
     skipped.append("claims: decided only by full-protocol GPU rows; reports for GPU folders were "
                    "rebuilt from the committed rows, not re-measured")

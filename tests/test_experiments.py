@@ -489,6 +489,8 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
         assert (CONF / "sweep" / f"{sweep}.yaml").exists()
     assert "experiments.analysis" in commands[0] and "experiments.report" in commands[-1]
     assert sum("-m experiments.tensile_multi --scenario" in c for c in commands) == 3
+    (headroom,) = [c for c in commands if "-m experiments.headroom" in c]
+    assert "--batch 1,32" in headroom and "--results" in headroom
     assert skipped == []
 
 
@@ -501,6 +503,7 @@ def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     assert "experiments.report" in commands[-1]
     assert all(any(s in line for line in skipped) for s in reproduce.GPU_SWEEPS)
     assert sum("TENSILE, several jobs" in line for line in skipped) == 3
+    assert any("concurrency headroom" in line for line in skipped)
     assert all("needs a CUDA GPU" in line for line in skipped[:-1])
     with pytest.raises(ValueError, match="unknown sweep"):
         reproduce.plan(cuda=True, sweeps=["nope"])
