@@ -12,7 +12,6 @@ Backends register themselves by name in :data:`BACKENDS`; other packages add the
 from __future__ import annotations
 
 import inspect
-
 import time
 from dataclasses import dataclass
 from typing import Any, Callable

@@ -7,7 +7,6 @@ you keep (the same contract as ``torch.cuda.graph`` and Inductor's CUDA Graph Tr
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import warnings
 from typing import Any, Callable, Iterator
@@ -181,8 +180,6 @@ class TorchScriptBackend(Backend):
                 return optimized(*inputs)
 
         return run
-
-
 
 
 class CudaGraphBackend(Backend):

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from experiments.models import ANALYSIS_SET, MODELS, build_model, example_input, get_model
 from nimble.graph import TaskGraph
 from nimble.memplan import HappensBefore, arena_bytes, interleaved_peak, lifetimes, live_peak
-from nimble.streams import StreamPlan, assign_streams, critical_path, max_antichain_width
+from nimble.streams import assign_streams, critical_path, max_antichain_width, single_stream_plan
 from nimble.trace import trace_graph
 
 __all__ = ["COLUMNS", "analyze_graph", "analyze_module", "analyze_model",
@@ -110,7 +110,7 @@ def arena_columns(graph: TaskGraph, plan) -> dict:
     static arena for them on one stream and on ``plan``'s streams (:mod:`nimble.memplan`)."""
     n = graph.num_nodes
     tensors = lifetimes(graph)
-    one = StreamPlan(stream_of=[0] * n, syncs=[], num_streams=1, chains=[], meg_edges=[])
+    one = single_stream_plan(n)
     return {"live_peak_mb": live_peak(tensors, n) / MB,
             "arena_one_stream_mb": arena_bytes(tensors, HappensBefore(n, one)) / MB,
             "arena_plan_mb": arena_bytes(tensors, HappensBefore(n, plan)) / MB,

@@ -45,7 +45,8 @@ from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .passes import channels_last_inputs, fold_conv_bn, to_channels_last
 from .priority import NodePriorityGraph
-from .streams import StreamPlan, assign_streams, critical_path, critical_streams
+from .streams import (StreamPlan, assign_streams, critical_path, critical_streams,
+                      single_stream_plan)
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
 __all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator", "check_call_inputs",
@@ -460,8 +461,7 @@ class Nimble:
     @staticmethod
     def _make_plan(graph: TaskGraph, multi: bool, max_streams: int | None) -> StreamPlan:
         if not multi:
-            return StreamPlan(stream_of=[0] * graph.num_nodes, syncs=[], num_streams=1,
-                              chains=[list(range(graph.num_nodes))], meg_edges=[])
+            return single_stream_plan(graph.num_nodes)
         plan = fold_tiny_isolated_ops(assign_streams(graph.num_nodes, graph.edges), graph)
         if max_streams is not None and plan.num_streams > max_streams:
             plan = cap_streams(plan, graph, max_streams)

@@ -39,6 +39,7 @@ __all__ = [
     "max_antichain_width",
     "critical_path",
     "critical_streams",
+    "single_stream_plan",
 ]
 
 Edge = tuple[int, int]
@@ -288,3 +289,9 @@ def critical_streams(plan: StreamPlan, edges: Iterable[Edge], weights: Sequence[
     """
     _, path = critical_path(len(plan.stream_of), edges, weights)
     return {plan.stream_of[k] for k in path}
+
+
+def single_stream_plan(num_nodes: int) -> StreamPlan:
+    """Every op on stream 0 in index order: the single-stream ablation's plan."""
+    return StreamPlan(stream_of=[0] * num_nodes, syncs=[], num_streams=1,
+                      chains=[list(range(num_nodes))], meg_edges=[])

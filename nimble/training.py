@@ -185,6 +185,28 @@ def _restore_in_place(module: nn.Module, saved: dict, grads: list[torch.Tensor],
             g.copy_(old) if old is not None else g.zero_()
 
 
+def _save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Clones of the module's state and of the optimizer's state tensors, for
+    :func:`_put_back_step_state` after warm-up steps or timing replays that train."""
+    return ({k: v.detach().clone() for k, v in module.state_dict().items()},
+            {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+             for p, st in optimizer.state.items()})
+
+
+def _put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                         saved: tuple[dict, dict], grads: Sequence[torch.Tensor | None]) -> None:
+    """Module and optimizer state back *in place* (a captured graph keeps using those
+    addresses), ``grads`` zeroed; optimizer state created since the save becomes zeros."""
+    model_state, opt_state = saved
+    with torch.no_grad():
+        for k, v in module.state_dict().items():
+            v.copy_(model_state[k])
+        for g in grads:
+            if g is not None:
+                g.zero_()
+    _zero_or_restore_optimizer(optimizer, opt_state)
+
+
 def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: dict) -> None:
     """Optimizer state back in place: old values, or zeros where the state was new."""
     with torch.no_grad():
@@ -341,22 +363,13 @@ class WholeStep:
         self.nimble, self.loss_fn, self.optimizer = nimble, loss_fn, optimizer
         self.splitter = ConvBackwardSplitter() if nimble._split_conv_backward else None
         module = nimble.module
-        saved = _snapshot(module, None)
-        saved_opt = {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-                     for p, st in optimizer.state.items()}
+        saved = _save_step_state(module, optimizer)
         self.static_target = target.detach().clone()
         try:
             self._capture(inputs, warmup)
         finally:
-            params = [p for p in module.parameters() if p.requires_grad]
-            grads = [p.grad for p in params]
-            with torch.no_grad():
-                for k, v in module.state_dict().items():
-                    v.copy_(saved["model"][k])
-                for g in grads:
-                    if g is not None:
-                        g.zero_()
-            _zero_or_restore_optimizer(optimizer, saved_opt)
+            grads = [p.grad for p in module.parameters() if p.requires_grad]
+            _put_back_step_state(module, optimizer, saved, grads)
 
     def _step_body(self) -> torch.Tensor:
         nb = self.nimble
@@ -386,7 +399,6 @@ class WholeStep:
         nb.stats.capture_s = time.perf_counter() - start
 
     def __call__(self, inputs: Sequence[torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-        nb = self.nimble
         check_call_inputs(self.static_inputs, tuple(inputs))
         if target.shape != self.static_target.shape or target.dtype != self.static_target.dtype \
                 or target.device != self.static_target.device:
@@ -420,6 +432,7 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     parameters' ``.grad`` point at the winner's gradient buffers.
     """
     params = [p for p in nimble.module.parameters() if p.requires_grad]
+    notes_before = list(nimble.stats.notes)     # prepare_step's own (channels_last)
     nimble._use_multi_stream = True
     multi = WholeStep(nimble, inputs, target, loss_fn, optimizer)
     streams = nimble.plan.num_streams
@@ -429,27 +442,19 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     kept = {"stats": nimble.stats, "graph": nimble.graph, "plan": nimble.plan,
             "streams": nimble._streams, "grads": [p.grad for p in params]}
     nimble.stats = type(kept["stats"])()
-    nimble.stats.notes = [n for n in kept["stats"].notes if n.startswith("channels_last")]
+    nimble.stats.notes = list(notes_before)
     nimble._count_weights()
     nimble._use_multi_stream = False
     single = WholeStep(nimble, inputs, target, loss_fn, optimizer)
 
-    saved = {k: v.detach().clone() for k, v in nimble.module.state_dict().items()}
-    saved_opt = {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-                 for p, st in optimizer.state.items()}
+    saved = _save_step_state(nimble.module, optimizer)
     rng = torch.cuda.get_rng_state()
     times: dict[str, list[float]] = {"multi": [], "single": []}
     for _ in range(rounds):
         for name, step in (("multi", multi), ("single", single)):
             times[name].append(_replay_ms(step.graph, replays))
     torch.cuda.synchronize()
-    with torch.no_grad():
-        for k, v in nimble.module.state_dict().items():
-            v.copy_(saved[k])
-        for g in [*kept["grads"], *(p.grad for p in params)]:
-            if g is not None:
-                g.zero_()
-    _zero_or_restore_optimizer(optimizer, saved_opt)
+    _put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
     torch.cuda.set_rng_state(rng)
 
     t_multi, t_single = (sorted(t)[len(t) // 2] for t in (times["multi"], times["single"]))

@@ -105,6 +105,14 @@ class DriftDetector:
         """
         return self.median_ms() if len(self._recent) >= DRIFT_MIN_REPORTS else None
 
+    def settle(self) -> float | None:
+        """:meth:`settled_ms` taken as the new reference: the count restarts when there is
+        one, so the reference is judged only by the reports that come after it."""
+        reference = self.settled_ms()
+        if reference is not None:
+            self.restart()
+        return reference
+
     def drifted(self, reference_ms: float, threshold: float = DRIFT_THRESHOLD) -> bool:
         """True when the median differs from ``reference_ms`` by more than ``threshold``."""
         if self.since_restart < DRIFT_MIN_REPORTS:
@@ -163,9 +171,7 @@ class OpTimeModel:
             return False
         self._drift.add(measured_iter_ms)
         if self.reference_ms is None:
-            self.reference_ms = self._drift.settled_ms()
-            if self.reference_ms is not None:
-                self._drift.restart()
+            self.reference_ms = self._drift.settle()
             return False
         return self._drift.drifted(self.reference_ms, threshold)
 

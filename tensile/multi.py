@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -337,18 +337,11 @@ def plan_jobs(
     mem = curve()
     peak_before = int(mem.max())
     classes = sorted({j.weight for j in jobs})
-
-    def recompute_allowance_ms(jid: str) -> float:
-        if budget_bytes is not None:
-            return float("inf")
-        st = states[jid]
-        return max_overhead * st.tl.iteration_ms - sum(r.cost_ms for r in st.recomputes)
-
     while True:
         p = int(np.argmax(mem))
         if budget_bytes is not None and mem[p] <= budget_bytes:
             break
-        if not _shave_once(p, classes, jobs, lay, states, failed, recompute_allowance_ms):
+        if not _shave_once(p, classes, jobs, lay, states, failed, budget_bytes, max_overhead):
             break
         mem = curve()
 
@@ -376,7 +369,7 @@ def plan_jobs(
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
                 states: dict[str, PlanState], failed: dict[str, set[tuple[int, int]]],
-                allowance_ms: Callable[[str], float]) -> bool:
+                budget_bytes: int | None, max_overhead: float) -> bool:
     """Move one tensor off the device at joint segment ``p`` (weight rule: module doc)."""
     for w in classes:
         group = [j for j in jobs if j.weight == w]
@@ -388,9 +381,9 @@ def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: Join
                                          failed[j.job_id]):
                 return True
         for j in group:
-            left = allowance_ms(j.job_id)
-            if j.allow_recompute and left > 0 and \
-                    states[j.job_id].try_recompute(at[j.job_id], j.min_bytes, left):
+            st = states[j.job_id]
+            left = st.recompute_allowance_ms(budget_bytes, max_overhead)
+            if j.allow_recompute and left > 0 and st.try_recompute(at[j.job_id], j.min_bytes, left):
                 return True
     return False
 

@@ -20,9 +20,9 @@ It stops when the budget is met, or, without a budget, when neither a hidden swa
 recomputation within the allowance lowers the current peak. ``max_overhead=0`` (the
 default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small
 allowance buys much more: recomputing cheap activations (batch norm and ReLU outputs)
-frees memory that copies could not move in time. Each direction is one channel whose busy intervals never overlap. Failed
-placements are remembered per (tensor, peak op): channels only fill up, so a copy that
-did not fit once never fits later.
+frees memory that copies could not move in time. Each direction is one channel whose busy
+intervals never overlap. Failed placements are remembered per (tensor, peak op): channels
+only fill up, so a copy that did not fit once never fits later.
 """
 from __future__ import annotations
 
@@ -63,7 +63,6 @@ def plan(
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_max_overhead(max_overhead)
-    allowance_ms = float("inf") if budget_bytes is not None else max_overhead * timeline.iteration_ms
     t0 = time.perf_counter()
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
@@ -74,8 +73,8 @@ def plan(
             break
         if st.try_swap(p, allow_cross_iteration, min_bytes, failed):
             continue
-        spent = sum(r.cost_ms for r in st.recomputes)
-        if not allow_recompute or not st.try_recompute(p, min_bytes, allowance_ms - spent):
+        if not allow_recompute or not st.try_recompute(
+                p, min_bytes, st.recompute_allowance_ms(budget_bytes, max_overhead)):
             break
     peak_after = int(st.mem.max()) if timeline.num_ops else 0
     result = Plan(
@@ -174,6 +173,7 @@ class PlanState:
         self.d2h, self.h2d = CopyChannel(tl.iteration_ms), CopyChannel(tl.iteration_ms)
         self.swaps: list[Swap] = []
         self.recomputes: list[Recompute] = []
+        self.recompute_ms = 0.0   # the recomputes' cost so far
 
     # -------------------------------------------------------------- helpers
     def resident_candidates(self, p: int, min_bytes: int) -> list[int]:
@@ -269,6 +269,13 @@ class PlanState:
         return swap, lo, k_in
 
     # -------------------------------------------------------------- recompute
+    def recompute_allowance_ms(self, budget_bytes: int | None, max_overhead: float) -> float:
+        """What one more recomputation may cost: anything under a budget (the budget rules),
+        else what is left of ``max_overhead`` x the iteration time."""
+        if budget_bytes is not None:
+            return float("inf")
+        return max_overhead * self.tl.iteration_ms - self.recompute_ms
+
     def try_recompute(self, p: int, min_bytes: int, max_cost_ms: float = float("inf")) -> bool:
         """Drop the resident activation with the most bytes freed per ms of recompute,
         among those whose recomputation costs at most ``max_cost_ms``."""
@@ -299,6 +306,7 @@ class PlanState:
             return False
         r = best[2]
         self.recomputes.append(r)
+        self.recompute_ms += r.cost_ms
         self.commit(r.sid, r.release_after_op + 1, r.before_op - 1)
         for src in r.sources:  # they must stay put until the recompute: never move them
             self.free[self.row[src]] = False

@@ -295,9 +295,7 @@ class SchedulerServer:
         """
         ref = job.reference_ms
         if ref is None:
-            job.reference_ms = job.drift.settled_ms()
-            if job.reference_ms is not None:
-                job.drift.restart()
+            job.reference_ms = job.drift.settle()
             return None
         if not job.drift.drifted(ref):
             return None

@@ -8,7 +8,7 @@ from torch import nn
 from nimble.graph import OpNode, TaskGraph
 from nimble.memplan import (HappensBefore, arena_bytes, interleaved_peak, lifetimes, live_peak,
                             round_robin_order)
-from nimble.streams import StreamPlan, assign_streams
+from nimble.streams import StreamPlan, assign_streams, single_stream_plan
 
 MB = 2 ** 20
 
@@ -23,8 +23,7 @@ def graph(ops, edges, inputs=(0,), outputs=()):
 
 
 def one_stream(n):
-    return StreamPlan(stream_of=[0] * n, syncs=[], num_streams=1, chains=[list(range(n))],
-                      meg_edges=[])
+    return single_stream_plan(n)
 
 
 def test_a_chain_reuses_memory_every_other_op():
