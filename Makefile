@@ -19,7 +19,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_PINS)
+	$(PY) -m pip install -q --no-cache-dir $(TORCH_PINS)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
