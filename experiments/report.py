@@ -380,6 +380,35 @@ def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
                                       "msr", "msr_reserved", "eor", "cbr", "passive_share", "planner_ms"])
 
 
+# What a TENSILE-planned row assumed (its plan) beside what its timed steps measured.
+PLAN_CHECK_COLUMNS = ["model", "batch_size", "method", "time_vanilla_ms", "mean_ms", "plan_iteration_ms",
+                      "d2h_gbps", "d2h_gbps_measured", "h2d_gbps", "h2d_gbps_measured",
+                      "stall_ms_per_timed_step", "moved_mb_per_step"]
+
+
+def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
+    """Per scheduled TENSILE row that recorded it: the iteration time and copy bandwidths
+    its plan was made for, beside vanilla's step time, the bandwidths its timed steps'
+    copies measured and the compute stream's wait for copy-ins per timed step.
+
+    A plan hides a copy only if the channel moves it within the op times the plan
+    assumed; a measured bandwidth below the planned one, or stalls, say why it did not.
+    """
+    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
+    out = []
+    for _, r in rows.iterrows():
+        extra = json.loads(r["extra"]) if r["extra"] else {}
+        if extra.get("plan_iteration_ms") is None:
+            continue
+        moved = extra.get("bytes_moved_per_step")
+        out.append({"model": r["model"], "batch_size": r["batch_size"], "method": r["backend"],
+                    "mean_ms": r["mean_ms"],
+                    "moved_mb_per_step": None if moved is None else moved / 2**20,
+                    **{k: extra.get(k) for k in PLAN_CHECK_COLUMNS
+                       if k not in ("model", "batch_size", "method", "mean_ms", "moved_mb_per_step")}})
+    return pd.DataFrame(out, columns=PLAN_CHECK_COLUMNS)
+
+
 def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     """Per paper model: our TENSILE MSR/EOR at the paper's batch beside the authors', the
     verdict (MSR at least theirs and EOR at most half theirs), and the throughput ratio over
@@ -719,6 +748,15 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "variants (`tensile`, `tensile(max_overhead=…)`) the line shows one that meets the "
                    "target if any, else the one that saves the most memory.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
+        check = tensile_plan_check(df)
+        if len(check):
+            md += ["### What the plans assumed against what the GPU did", "",
+                   "plan_iteration_ms = the step the plan was made for (sum of its op times); "
+                   "d2h/h2d_gbps = the bandwidths the planner was given, `_measured` = what the copies "
+                   "of the timed steps moved (each timed on its stream); stall = the compute stream's "
+                   "wait for copy-ins per timed step. Copies the plan counted as hidden cost time when "
+                   "the measured bandwidth is lower or the step is shorter than planned.", "",
+                   md_table(check.round(2)), ""]
 
     if (df["experiment"] == "tensile_multi").any():
         table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"))

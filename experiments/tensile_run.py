@@ -41,6 +41,7 @@ from experiments.store import ResultStore, row_key
 from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
+from tensile.runtime import bytes_per_s
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,11 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in ("steps", "swap_ins", "passive_swap_ins", "recomputes",
                                            "bytes_d2h", "bytes_h2d", "ineffective_releases")}
     steps = d["steps"] or 1
+    # The channels' bandwidth over every timed step so far (warm-up included: the first
+    # steady step is timed, the measured ones only on drift).
+    measured = {f"{ch}_gbps_measured": _gbps(bytes_per_s(after[f"timed_{ch}_bytes"],
+                                                         after[f"timed_{ch}_ms"]))
+                for ch in ("d2h", "h2d")}
     return {
         "passive_share": d["passive_swap_ins"] / d["swap_ins"] if d["swap_ins"] else None,
         "bytes_moved_per_step": (d["bytes_d2h"] + d["bytes_h2d"]) / steps,
@@ -202,7 +208,17 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
         "budget_mb": None if after["budget_bytes"] is None else after["budget_bytes"] / MB,
         "host_pool_mb": after["host_pool_bytes"] / MB,
         "stall_ms": after["stall_ms"] - before["stall_ms"],   # timed (measuring) steps only
+        # the plan's assumptions against the timed steps' copies (beside d2h_gbps/h2d_gbps,
+        # the bandwidths the planner was given): where a plan's hidden copies stop hiding
+        "plan_iteration_ms": after["plan_iteration_ms"], "timed_steps": after["timed_steps"],
+        "stall_ms_per_timed_step": (after["stall_ms"] / after["timed_steps"]
+                                    if after["timed_steps"] else None),
+        **measured,
     }
+
+
+def _gbps(rate: float | None) -> float | None:
+    return None if rate is None else round(rate / 1e9, 2)
 
 
 # --------------------------------------------------------------------------- one method
@@ -429,8 +445,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
         if name in SCHEDULED and rates:   # what the planner believed about the machine
-            extra.update(d2h_gbps=round(rates["d2h_bw"] / 1e9, 2),
-                         h2d_gbps=round(rates["h2d_bw"] / 1e9, 2),
+            extra.update(d2h_gbps=_gbps(rates["d2h_bw"]), h2d_gbps=_gbps(rates["h2d_bw"]),
                          peak_tflops=round(rates["peak_flops"] / 1e12, 1))
         if name == "vanilla":
             ref = fields

@@ -41,11 +41,15 @@ from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, me
 from .plan import Plan
 from .planner import plan as make_plan
 from .record import Recording, record_step
-from .runtime import PlanRunner, RuntimeStats
+from .runtime import PlanRunner, RuntimeStats, bytes_per_s
 from .step import training_step
 from .timeline import AccessTimeline
 
 __all__ = ["Scheduler", "SchedulerReport", "resolve_budget"]
+
+
+def _gbps(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate / 1e9:.1f} GB/s"
 
 log = logging.getLogger("tensile.api")
 
@@ -79,6 +83,16 @@ class SchedulerReport:
     ineffective_releases: int
     host_pool_bytes: int
     stall_ms: float
+    # What the plan assumed against what the timed steps measured: a plan made for a
+    # shorter iteration or faster copies than the GPU gives hides fewer of its copies.
+    plan_iteration_ms: float
+    plan_d2h_bytes_per_s: float
+    plan_h2d_bytes_per_s: float
+    timed_steps: int
+    timed_d2h_bytes: int
+    timed_d2h_ms: float
+    timed_h2d_bytes: int
+    timed_h2d_ms: float
     # With a scheduler process (``scheduler_socket``); ``None`` when planning locally.
     scheduler_socket: str | None = None
     connected: bool | None = None
@@ -110,6 +124,11 @@ class SchedulerReport:
             f"  moved {self.bytes_d2h / mib:.1f} MiB D2H, {self.bytes_h2d / mib:.1f} MiB H2D; "
             f"ineffective releases {self.ineffective_releases}; "
             f"compute waited {self.stall_ms:.2f} ms for copy-ins (timed steps)",
+            f"  plan made for a {self.plan_iteration_ms:.2f} ms iteration, copies at "
+            f"{_gbps(self.plan_d2h_bytes_per_s)} D2H / {_gbps(self.plan_h2d_bytes_per_s)} H2D; "
+            f"timed steps ({self.timed_steps}) measured "
+            f"{_gbps(bytes_per_s(self.timed_d2h_bytes, self.timed_d2h_ms))} D2H / "
+            f"{_gbps(bytes_per_s(self.timed_h2d_bytes, self.timed_h2d_ms))} H2D",
             *lines,
         ])
 
@@ -328,6 +347,11 @@ class Scheduler:
             passive_share=s.passive_share, recomputes=s.recomputes, bytes_d2h=s.bytes_d2h,
             bytes_h2d=s.bytes_h2d, ineffective_releases=s.ineffective_releases,
             host_pool_bytes=s.host_pool_bytes, stall_ms=s.stall_ms,
+            plan_iteration_ms=self.plan.iteration_ms,
+            plan_d2h_bytes_per_s=self.plan.d2h_bytes_per_s,
+            plan_h2d_bytes_per_s=self.plan.h2d_bytes_per_s, timed_steps=s.timed_steps,
+            timed_d2h_bytes=s.timed_d2h_bytes, timed_d2h_ms=s.timed_d2h_ms,
+            timed_h2d_bytes=s.timed_h2d_bytes, timed_h2d_ms=s.timed_h2d_ms,
             **self._server_fields())
 
     # ------------------------------------------------------------------ internals

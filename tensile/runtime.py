@@ -69,7 +69,7 @@ from .plan import Plan, Recompute, Swap
 from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
 from .step import training_step
 
-__all__ = ["PlanMismatchError", "RuntimeStats", "StepResult", "PlanRunner"]
+__all__ = ["PlanMismatchError", "RuntimeStats", "StepResult", "PlanRunner", "bytes_per_s"]
 
 _ALIGN = 512  # host regions start on this many bytes (covers every dtype's alignment)
 
@@ -92,10 +92,23 @@ class RuntimeStats:
     ineffective_releases: int = 0  # released, but something else still held the memory
     host_pool_bytes: int = 0
     stall_ms: float = 0.0          # compute waiting for copy-ins, summed over timed steps
+    # The copies of timed steps, each timed on its own stream (a copy's time starts when
+    # its stream reaches it, so waiting for the compute stream or an earlier copy is not
+    # counted): what the channels really deliver, against the plan's bandwidths.
+    timed_steps: int = 0
+    timed_d2h_bytes: int = 0
+    timed_d2h_ms: float = 0.0
+    timed_h2d_bytes: int = 0
+    timed_h2d_ms: float = 0.0
 
     @property
     def passive_share(self) -> float:
         return self.passive_swap_ins / self.swap_ins if self.swap_ins else 0.0
+
+
+def bytes_per_s(nbytes: int, ms: float) -> float | None:
+    """``nbytes`` moved in ``ms`` as bytes per second; None when nothing was timed."""
+    return nbytes / (ms / 1e3) if nbytes and ms > 0 else None
 
 
 @dataclass
@@ -508,6 +521,7 @@ class PlanRunner:
         self._by_ptr: dict[int, tuple[StorageWeakRef, _Entry]] = {}
         self._op_events: list = []
         self._stalls: list = []
+        self._copies: list = []   # timed steps: (direction, bytes, start, end) of every copy
         self._op_t: list[float] = []
         if self.simulate:
             self._t0 = time.perf_counter()
@@ -649,6 +663,9 @@ class PlanRunner:
                 self.stats.stall_ms += result.stall_ms
             elif prev is not None and prev[1].query():  # no sync: last step's time if done
                 result.iter_ms = prev[0].elapsed_time(prev[1])
+        if self.measure and not self.init_step:
+            self._count_copies()
+        self._copies = []
         return result
 
     # ================================================================== per op
@@ -806,11 +823,12 @@ class PlanRunner:
     def _copy_out(self, host: torch.Tensor, data: torch.Tensor):
         """Device→host copy of ``data`` after the compute stream's work so far."""
         if self.simulate:
-            host.copy_(data)
+            with self._timed_copy("d2h", data.nbytes, None):
+                host.copy_(data)
             return None
         compute = torch.cuda.current_stream(self.device)  # before entering the side stream
         self.d2h.wait_stream(compute)
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.stream(self.d2h), self._timed_copy("d2h", data.nbytes, self.d2h):
             host.copy_(data, non_blocking=True)
         # Hazard: the compute stream may free ``data`` right after this; the allocator
         # must not hand its block out again before the copy has read it.
@@ -822,24 +840,60 @@ class PlanRunner:
     def _copy_in(self, host: torch.Tensor, out_done, passive: bool):
         """Host→device copy into a new device buffer; returns ``(buffer, ready event)``."""
         if self.simulate:
-            return host.clone(), None
+            with self._timed_copy("h2d", host.nbytes, None):
+                return host.clone(), None
         compute = torch.cuda.current_stream(self.device)
         buf = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)  # on compute
         if passive:  # on the compute stream itself: the next op waits for it
             if out_done is not None:
                 compute.wait_event(out_done)
-            buf.copy_(host, non_blocking=True)
+            with self._timed_copy("h2d", host.nbytes, compute):
+                buf.copy_(host, non_blocking=True)
             return buf, None
         # The new block may have been used by compute work enqueued before: wait for it.
         self.h2d.wait_stream(compute)
         if out_done is not None:
             self.h2d.wait_event(out_done)  # the host region must be fully written
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.h2d), self._timed_copy("h2d", host.nbytes, self.h2d):
             buf.copy_(host, non_blocking=True)
         buf.record_stream(self.h2d)
         ready = torch.cuda.Event()
         ready.record(self.h2d)
         return buf, ready
+
+    @contextlib.contextmanager
+    def _timed_copy(self, direction: str, nbytes: int, stream):
+        """On timed steps, time the copy made inside (events on ``stream``; host clock in
+        simulation) for :meth:`_count_copies`."""
+        if not self.measure:
+            yield
+            return
+        if stream is None:
+            t0 = time.perf_counter()
+            yield
+            self._copies.append((direction, nbytes, (time.perf_counter() - t0) * 1e3))
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        self._copies.append((direction, nbytes, (start, end)))
+
+    def _count_copies(self) -> None:
+        """Add a timed step's copies to the stats (a copy-out issued late in the step may
+        still run: wait for it, as a timed step waits for its compute)."""
+        s = self.stats
+        s.timed_steps += 1
+        for direction, nbytes, t in self._copies:
+            if isinstance(t, tuple):
+                t[1].synchronize()
+                t = t[0].elapsed_time(t[1])
+            if direction == "d2h":
+                s.timed_d2h_bytes += nbytes
+                s.timed_d2h_ms += t
+            else:
+                s.timed_h2d_bytes += nbytes
+                s.timed_h2d_ms += t
 
     # ================================================================== autograd hooks
     def _pack(self, t: torch.Tensor):

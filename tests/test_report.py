@@ -219,6 +219,31 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert "## TENSILE" in text and "Speedup over eager" not in text
 
 
+def test_tensile_plan_check_sets_each_plans_assumptions_beside_the_measurement(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    _tensile_row(store, "vanilla", 23.5, 1740.0, 0.0, 0.0)
+    _tensile_row(store, "checkpoint", 53.0, 1020.0, 0.41, 1.27)
+    _tensile_row(store, "tensile", 56.7, 1200.0, 0.29, 1.58, model="vgg16")  # older row: no plan fields
+    store.append(dict(experiment="tensile", mode="whole-step", model="resnet50", backend="tensile",
+                      batch_size=16, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5, iters=50,
+                      mean_ms=56.7, median_ms=56.7, peak_mem_mb=1200.0,
+                      extra={"msr": 0.29, "eor": 1.58, "time_vanilla_ms": 23.5, "plan_iteration_ms": 9.5,
+                             "d2h_gbps": 50.0, "d2h_gbps_measured": 20.0, "h2d_gbps": 50.0,
+                             "h2d_gbps_measured": 24.0, "stall_ms_per_timed_step": 12.5,
+                             "bytes_moved_per_step": 1250 * 2**20}))
+    df = report.load_rows(tmp_path / "h200")
+    check = report.tensile_plan_check(df)
+    assert len(check) == 1
+    line = check.iloc[0]
+    assert (line["model"], line["method"]) == ("resnet50", "tensile")
+    assert (line["plan_iteration_ms"], line["time_vanilla_ms"], line["mean_ms"]) == (9.5, 23.5, 56.7)
+    assert (line["d2h_gbps"], line["d2h_gbps_measured"]) == (50.0, 20.0)
+    assert line["moved_mb_per_step"] == 1250 and line["stall_ms_per_timed_step"] == 12.5
+    text = report.write_report(tmp_path / "h200").read_text()
+    assert "### What the plans assumed against what the GPU did" in text
+    assert "| resnet50 | 16 | tensile | 23.5 | 56.7 | 9.5 | 50.0 | 20.0 |" in text
+
+
 def test_ratios_use_the_eager_row_of_the_same_process(tmp_path):
     """Run A measured eager and nimble; run B later measured eager again (its row replaces A's in
     the tables). Nimble's speedup and the claim still use run A's eager. Rows written before

@@ -93,6 +93,10 @@ def test_rows_carry_metrics_against_the_same_process_vanilla(small, tmp_path):
         assert ex["planner_ms"] > 0 and ex["replans"] >= 1 and ex["swaps_planned"] > 0
         assert 0 < ex["msr_planned"] < 1
         assert ex["d2h_gbps"] > 0 and ex["h2d_gbps"] > 0 and ex["stall_ms"] >= 0
+        # what the plan assumed beside what its timed steps' copies measured
+        assert ex["plan_iteration_ms"] > 0 and ex["timed_steps"] >= 1
+        assert ex["d2h_gbps_measured"] > 0 and ex["h2d_gbps_measured"] > 0
+        assert ex["stall_ms_per_timed_step"] >= 0
     assert "d2h_gbps" not in rows["checkpoint"]["extra"]
     assert ten["budget"] is None and cap["budget"] == int(ten["planned_peak_mb"] * MB)
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import tensile
+from tensile.runtime import bytes_per_s
 from tensile.step import training_step
 
 pytestmark = [
@@ -82,6 +83,11 @@ def test_swap_only_plan_is_bit_identical_on_gpu():
     assert rep.swap_outs > 0 and rep.ineffective_releases == 0
     for a, b in zip(states(m0, o0), states(m1, o1)):
         assert torch.equal(a, b)
+    # the first steady step is timed: its copies, timed on their streams, give the channels'
+    # real bandwidth (a PCIe link: above 1 GB/s, below 1 TB/s)
+    assert rep.timed_steps >= 1 and rep.timed_d2h_bytes > 0 and rep.timed_h2d_bytes > 0
+    for nbytes, ms in ((rep.timed_d2h_bytes, rep.timed_d2h_ms), (rep.timed_h2d_bytes, rep.timed_h2d_ms)):
+        assert 1e9 < bytes_per_s(nbytes, ms) < 1e12
 
 
 def planned_vanilla_peak(data, **model_kw) -> int:

@@ -86,6 +86,33 @@ def test_swap_only_plan_is_bit_identical_after_20_adam_steps(reference):
     assert rep.bytes_d2h >= rep.bytes_h2d > 0
 
 
+def test_timed_steps_time_every_copy_of_their_step():
+    """A timed step's copies are what the report's measured bandwidth is made of: exactly
+    the bytes that step moved, each direction on its own, none from untimed steps."""
+    _, _, _, sched = scheduled(n=3, budget=None, allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12,
+                               replan=False)
+    runner, stats = sched.runner, sched.runner.stats
+    assert sched.plan.swaps
+    data = batches(2)
+    before = dataclasses.replace(stats)
+    runner.step(data[0])                       # untimed: moves bytes, times none
+    assert stats.timed_steps == before.timed_steps
+    assert stats.timed_d2h_bytes == before.timed_d2h_bytes and stats.bytes_d2h > before.bytes_d2h
+    mid = dataclasses.replace(stats)
+    runner.step(data[1], measure_ops=True)     # timed: every copy it made is counted
+    assert stats.timed_steps == mid.timed_steps + 1
+    assert stats.timed_d2h_bytes - mid.timed_d2h_bytes == stats.bytes_d2h - mid.bytes_d2h > 0
+    assert stats.timed_h2d_bytes - mid.timed_h2d_bytes == stats.bytes_h2d - mid.bytes_h2d > 0
+    assert stats.timed_d2h_ms > mid.timed_d2h_ms and stats.timed_h2d_ms > mid.timed_h2d_ms
+    sched.restore_parameters()
+    rep = sched.report()
+    assert rep.plan_iteration_ms == sched.plan.iteration_ms > 0
+    assert rep.plan_d2h_bytes_per_s == 1e12
+    text = str(rep)
+    assert f"plan made for a {sched.plan.iteration_ms:.2f} ms iteration" in text
+    assert "1000.0 GB/s D2H" in text and f"timed steps ({rep.timed_steps}) measured" in text
+
+
 def test_recompute_plan_matches_within_tolerance(reference):
     model0, opt0, _ = reference
     model, opt, _, sched = scheduled(budget=0.9, allow_cross_iteration=False,
