@@ -54,6 +54,8 @@ MB = 2**20
 # and cuDNN workspaces need the rest.
 EMULATED_HEADROOM = 0.9
 SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
+GRAPHED = ("graph", "tensile_graph")  # one CUDA graph per step: capturable optimizer, CUDA only
+PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -76,6 +78,9 @@ def validate(cfg, models: dict) -> None:
     warmup, iters, repeats = protocol(cfg)
     if iters < 1 or repeats < 1:
         raise ConfigError(f"need iters >= 1 and repeats >= 1, got iters={iters}, repeats={repeats}")
+    if set(methods) & set(GRAPHED) and cfg.device.name != "cuda":
+        raise ConfigError(f"methods {sorted(set(methods) & set(GRAPHED))} capture CUDA graphs: "
+                          "they need device=cuda")
     if warmup < 2 and set(methods) & set(SCHEDULED):
         raise ConfigError(f"warmup={warmup}: the scheduled methods need >= 2 warm-up steps (the "
                           "first creates the optimizer state, the second times every op to re-plan)")
@@ -146,8 +151,8 @@ def method_label(name: str, exp) -> str:
     """The row's ``backend``: the method, with its own knob where it has one."""
     if name == "compile_budget":
         return f"compile_budget={exp.activation_memory_budget:g}"
-    if name == "tensile" and exp.get("max_overhead", 0.0):
-        return f"tensile(max_overhead={exp.max_overhead:g})"
+    if name in PLANNED and exp.get("max_overhead", 0.0):
+        return f"{name}(max_overhead={exp.max_overhead:g})"
     return name
 
 
@@ -174,6 +179,15 @@ def derived_metrics(fields: dict, ref: dict | None) -> dict:
     for key, msr in (("cbr", out["msr"]), ("cbr_reserved", out["msr_reserved"])):
         out[key] = msr / out["eor"] if msr is not None and out["eor"] > 0 else None
     return out
+
+
+def _against_graph(fields: dict, graph: dict | None) -> dict:
+    """MSR and EOR of ``tensile_graph`` against ``graph`` (both captured, so the host's
+    share of the step is out of both): what the plan saves and costs on the GPU."""
+    if not graph or graph.get("status") != "ok" or fields.get("status") != "ok":
+        return {"msr_vs_graph": None, "eor_vs_graph": None}
+    return {"msr_vs_graph": _saving(fields.get("peak_mem_mb"), graph.get("peak_mem_mb")),
+            "eor_vs_graph": fields["mean_ms"] / graph["mean_ms"] - 1}
 
 
 def _saving(peak: float | None, vanilla: float | None) -> float | None:
@@ -237,11 +251,12 @@ def _drop_aux_head(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _optimizer(model: torch.nn.Module, exp) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, exp, capturable: bool = False) -> torch.optim.Optimizer:
+    """``capturable``: Adam keeps its step count on the device (a CUDA graph needs that)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if exp.optimizer == "sgd":
         return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
-    return torch.optim.Adam(params, lr=exp.lr)
+    return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
 
 
 def _release(device: str) -> None:
@@ -269,7 +284,7 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     if fraction is not None and cap_setup:
         torch.cuda.set_per_process_memory_fraction(fraction)
     model = build()
-    opt = _optimizer(model, exp)
+    opt = _optimizer(model, exp, capturable=name in GRAPHED)
     t0 = time.perf_counter()
     step = make_method(name, model, opt, classification_loss, batch, **opts)
     prepare_s = time.perf_counter() - t0
@@ -309,6 +324,8 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
              "repeat_std_ms": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
              "loss": loss}
     extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
+    if cuda and name in GRAPHED:   # a replay allocates nothing: the capture's peak is every step's
+        peaks, reserved = [stats["graph_peak_mb"]], [stats["graph_reserved_mb"]]
     if cuda:
         extra.update(peak_reserved_mb=round(max(reserved), 1),
                      repeat_peak_mb=[round(p, 1) for p in peaks],
@@ -341,7 +358,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
         return {"layers_per_block": exp.layers_per_block}
     if name == "compile_budget":
         return {"activation_memory_budget": float(exp.activation_memory_budget)}
-    if name in SCHEDULED:
+    if name in SCHEDULED or name == "tensile_graph":
         opts: dict[str, Any] = {"simulate": device != "cuda", **rates}
         if name == "capuchin" and budget is None:
             if tensile_peak is None:
@@ -349,9 +366,9 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                                  "tensile in the same job (its planned peak is the budget, as "
                                  "the TENSILE authors did)")
             budget = int(tensile_peak)
-        if name in ("tensile", "capuchin"):
+        if name in ("tensile", "capuchin", "tensile_graph"):
             opts["budget"] = budget
-        if name == "tensile" and exp.get("max_overhead", 0.0):
+        if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         return opts
     return {}
@@ -381,6 +398,26 @@ def _error_fields(exc: BaseException, fraction: float | None) -> dict:
     return {"status": "error", "reason": (text[0] if text else type(exc).__name__)[:300]}
 
 
+def method_order(todo: list[str], capuchin_after_tensile: bool) -> list[str]:
+    """The order a job measures its methods in: ``todo`` plus what they need measured first.
+
+    Vanilla first (the reference of every row); tensile right before capuchin when capuchin
+    takes TENSILE's planned peak as its budget (``capuchin_after_tensile``); graph right
+    before tensile_graph (its own reference, the captured vanilla step).
+    """
+    order = ["vanilla"] + [m for m in todo if m != "vanilla"]
+    if "capuchin" in order and capuchin_after_tensile:
+        order.remove("capuchin")
+        if "tensile" not in order:
+            order.append("tensile")
+        order.insert(order.index("tensile") + 1, "capuchin")
+    if "tensile_graph" in order:
+        if "graph" in order:
+            order.remove("graph")
+        order.insert(order.index("tensile_graph"), "graph")
+    return order
+
+
 def run(cfg, models, device: str, env: dict, out_dir: Path,
         on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
     """Measure every method of ``cfg.experiment.methods`` not stored yet; returns the rows written.
@@ -401,15 +438,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         log.info("already measured (redo=true to measure again): %s b=%s %s", cfg.model.name,
                  cfg.batch_size, common["mode"])
         return []
-    # Vanilla first (the reference of every row); tensile before capuchin when capuchin
-    # takes TENSILE's planned peak as its budget.
-    order = ["vanilla"] + [m for m in todo if m != "vanilla"]
     fraction = _memory_fraction(exp, device)
-    if "capuchin" in order and exp.budget is None and fraction is None:
-        order.remove("capuchin")
-        if "tensile" not in order:
-            order.append("tensile")
-        order.insert(order.index("tensile") + 1, "capuchin")
+    order = method_order(todo, capuchin_after_tensile=exp.budget is None and fraction is None)
 
     classes = exp.num_classes or cfg.model.num_classes
     x = models.example_input(cfg.model.name, cfg.batch_size, device,
@@ -423,7 +453,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     rows: list[dict] = []
     ref: dict | None = None
     tensile_peak: int | None = None
-    rates = machine_rates(device) if set(order) & set(SCHEDULED) else {}
+    rates = machine_rates(device) if set(order) & {*SCHEDULED, "tensile_graph"} else {}
+    graph_row: dict | None = None   # the captured vanilla step: tensile_graph's own reference
     for name in order:
         _release(device)
         opts: dict = {}
@@ -444,16 +475,20 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         extra = fields.setdefault("extra", {})
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
-        if name in SCHEDULED and rates:   # what the planner believed about the machine
+        if (name in SCHEDULED or name == "tensile_graph") and rates:  # the planner's machine
             extra.update(d2h_gbps=_gbps(rates["d2h_bw"]), h2d_gbps=_gbps(rates["h2d_bw"]),
                          peak_tflops=round(rates["peak_flops"] / 1e12, 1))
         if name == "vanilla":
             ref = fields
+        if name == "graph":
+            graph_row = fields
         if name == "tensile" and fields["status"] == "ok":
             tensile_peak = int(extra["planned_peak_mb"] * MB)
         if name not in todo:
             continue
         extra.update(derived_metrics(fields, ref))
+        if name == "tensile_graph":   # the plan's own cost: against the captured vanilla step
+            extra.update(_against_graph(fields, graph_row))
         if ref is not None and ref["status"] != "ok":
             extra["vanilla_reason"] = ref["reason"]
         row = store.append({**env, **common, **fields, "backend": method_label(name, exp)})

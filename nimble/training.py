@@ -57,7 +57,7 @@ from .capture import check_call_inputs
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
 __all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward",
-           "faster_whole_step"]
+           "faster_whole_step", "save_step_state", "put_back_step_state", "check_capturable"]
 
 
 def trace_training_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> TaskGraph:
@@ -185,16 +185,16 @@ def _restore_in_place(module: nn.Module, saved: dict, grads: list[torch.Tensor],
             g.copy_(old) if old is not None else g.zero_()
 
 
-def _save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Clones of the module's state and of the optimizer's state tensors, for
-    :func:`_put_back_step_state` after warm-up steps or timing replays that train."""
+    :func:`put_back_step_state` after warm-up steps or timing replays that train."""
     return ({k: v.detach().clone() for k, v in module.state_dict().items()},
             {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for p, st in optimizer.state.items()})
 
 
-def _put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
-                         saved: tuple[dict, dict], grads: Sequence[torch.Tensor | None]) -> None:
+def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                        saved: tuple[dict, dict], grads: Sequence[torch.Tensor | None]) -> None:
     """Module and optimizer state back *in place* (a captured graph keeps using those
     addresses), ``grads`` zeroed; optimizer state created since the save becomes zeros."""
     model_state, opt_state = saved
@@ -359,17 +359,17 @@ class WholeStep:
     def __init__(self, nimble, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
                  optimizer: torch.optim.Optimizer, warmup: int = 2) -> None:
-        _check_capturable(optimizer)
+        check_capturable(optimizer)
         self.nimble, self.loss_fn, self.optimizer = nimble, loss_fn, optimizer
         self.splitter = ConvBackwardSplitter() if nimble._split_conv_backward else None
         module = nimble.module
-        saved = _save_step_state(module, optimizer)
+        saved = save_step_state(module, optimizer)
         self.static_target = target.detach().clone()
         try:
             self._capture(inputs, warmup)
         finally:
             grads = [p.grad for p in module.parameters() if p.requires_grad]
-            _put_back_step_state(module, optimizer, saved, grads)
+            put_back_step_state(module, optimizer, saved, grads)
 
     def _step_body(self) -> torch.Tensor:
         nb = self.nimble
@@ -447,14 +447,14 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     nimble._use_multi_stream = False
     single = WholeStep(nimble, inputs, target, loss_fn, optimizer)
 
-    saved = _save_step_state(nimble.module, optimizer)
+    saved = save_step_state(nimble.module, optimizer)
     rng = torch.cuda.get_rng_state()
     times: dict[str, list[float]] = {"multi": [], "single": []}
     for _ in range(rounds):
         for name, step in (("multi", multi), ("single", single)):
             times[name].append(_replay_ms(step.graph, replays))
     torch.cuda.synchronize()
-    _put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
+    put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
     torch.cuda.set_rng_state(rng)
 
     t_multi, t_single = (sorted(t)[len(t) // 2] for t in (times["multi"], times["single"]))
@@ -485,7 +485,7 @@ def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
+def check_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Adam-family optimizers step on the host unless ``capturable=True``: refuse them."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

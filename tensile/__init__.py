@@ -4,10 +4,12 @@ Trace one training step → access timeline → greedy peak-shaving plan → run
 applies the plan every step. The planner and simulator are pure Python (CPU-tested);
 the runtime needs CUDA, with a CPU simulation mode for its bookkeeping. Several jobs on
 one GPU: ``python -m tensile.server`` plans them jointly; jobs connect with
-:class:`TensileClient` (:mod:`tensile.multi` holds the joint planner).
+:class:`TensileClient` (:mod:`tensile.multi` holds the joint planner). A host-bound job
+can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile.graph`).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
+from .graph import GraphStep
 from .plan import Plan, Recompute, Swap
 from .planner import plan
 from .record import Recording, record_step
@@ -21,7 +23,7 @@ from .multi import JobSpec, JointPlan, plan_jobs, simulate_joint
 from .timeline import AccessTimeline, TensorInfo
 
 __all__ = [
-    "Scheduler", "SchedulerReport", "AccessTimeline", "TensorInfo", "Plan", "Swap",
+    "Scheduler", "SchedulerReport", "GraphStep", "AccessTimeline", "TensorInfo", "Plan", "Swap",
     "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",

@@ -38,6 +38,7 @@ from torch import nn
 
 from .client import SchedulerError, TensileClient
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
+from .graph import GraphStep
 from .plan import Plan
 from .planner import plan as make_plan
 from .record import Recording, record_step
@@ -298,6 +299,32 @@ class Scheduler:
         if self.client is not None:
             self._talk_to_scheduler(res.iter_ms if not init else None, res.op_ms, start_s)
         return res.loss
+
+    def capture(self, *batch, warmup: int = 1) -> GraphStep:
+        """This scheduled step captured into one CUDA graph (:mod:`tensile.graph`): calling
+        the result with a batch runs forward, backward and ``optimizer.step()`` with the
+        current plan's copies and recomputes, and no host work.
+
+        Run ordinary :meth:`step` calls first: the first creates the optimizer's state (the
+        graph must not) and the next is timed and re-planned with measured op times. The
+        graph keeps the plan it was captured with (no re-plan, no drift test); the
+        optimizer must be capturable and the plan must keep parameters and optimizer
+        state on the device (``allow_cross_iteration=False``).
+        """
+        if self.simulate:
+            raise ValueError("capture needs CUDA; this scheduler simulates on the CPU")
+        if self.client is not None:
+            raise ValueError("a job planned by a scheduler process takes new plans between "
+                             "steps, a captured graph keeps one: keep calling step()")
+        if self._init_pending:
+            raise ValueError("run one step() first: it creates the optimizer's state, which "
+                             "must exist before the capture")
+        if _signature(batch) != self._example:
+            raise ValueError(f"batch {_signature(batch)} differs from the example batch "
+                             f"{self._example}")
+        self.runner.check_capturable()
+        return GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
+                         batch, self.model, self.optimizer, warmup=warmup, streams=3)
 
     def heartbeat(self) -> None:
         """Tell the scheduler process the job is alive (during long pauses between steps).

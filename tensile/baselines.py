@@ -18,7 +18,12 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   (the min-cut partitioner recomputes until activations fit that fraction);
 * ``tensile``: :class:`tensile.Scheduler`;
 * ``vdnn``, ``vdnn_all``, ``capuchin``: the vDNN and Capuchin policies
-  (:mod:`tensile.policies`) on TENSILE's runtime.
+  (:mod:`tensile.policies`) on TENSILE's runtime;
+* ``graph``: the vanilla step captured into one CUDA graph (:mod:`tensile.graph`), and
+  ``tensile_graph``: TENSILE's plan captured with it (two ordinary steps first: the
+  optimizer's state, then measured op times and a re-plan). Both need CUDA and a
+  capturable optimizer; they take the host out of the step, so what the plan costs is
+  what it costs the GPU (``tensile_graph`` against ``graph``).
 
 ``make_method`` changes ``model`` in place for ``checkpoint`` and ``sac`` (block forwards
 are wrapped): give it a fresh model. Caveat of ``checkpoint`` and ``sac``: a BatchNorm
@@ -40,6 +45,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from .api import Scheduler
+from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
 
@@ -240,6 +246,44 @@ def _compile_budget(model, optimizer, loss_fn, example_batch, *,
     return StepFn("compile_budget", run, lambda: {"activation_memory_budget": float(b)})
 
 
+def _graph_stats(graph: GraphStep) -> dict:
+    mib = 2**20
+    return {"graph_peak_mb": graph.peak_bytes / mib, "graph_pool_mb": graph.pool_bytes / mib,
+            "graph_reserved_mb": graph.reserved_bytes / mib}
+
+
+def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
+    graph = GraphStep(lambda b, capturing: training_step(model, optimizer, b, loss_fn),
+                      example_batch, model, optimizer)
+    return StepFn("graph", lambda b: graph(*b), lambda: _graph_stats(graph))
+
+
+def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
+                   **scheduler_kwargs) -> StepFn:
+    device = next(model.parameters()).device
+    if simulate or device.type != "cuda":
+        raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
+                         f"simulation (model on {device}, simulate={simulate})")
+    scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
+    sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
+    for _ in range(2):  # the optimizer's state, then op times measured and a re-plan
+        sched.step(*example_batch)
+    graph = sched.capture(*example_batch)
+    plan = sched.plan
+
+    def stats() -> dict:
+        return {**_graph_stats(graph), "swaps_planned": len(plan.swaps),
+                "recomputes_planned": len(plan.recomputes),
+                "planned_peak_vanilla_mb": plan.peak_before / 2**20,
+                "planned_peak_mb": plan.peak_after / 2**20,
+                "msr_planned": 1 - plan.peak_after / plan.peak_before if plan.peak_before else None,
+                "plan_feasible": plan.feasible, "plan_overhead_ms": plan.est_overhead_ms,
+                "plan_iteration_ms": plan.iteration_ms,
+                # every replay repeats the captured step's copies: the plan's
+                "bytes_moved_per_step": plan.bytes_moved}
+    return StepFn("tensile_graph", lambda b: graph(*b), stats)
+
+
 def _scheduled(sched: Scheduler, name: str) -> StepFn:
     return StepFn(name, lambda b: sched.step(*b), lambda: dataclasses.asdict(sched.report()))
 
@@ -270,6 +314,8 @@ _BUILDERS: dict[str, Callable[..., StepFn]] = {
     "sac": _sac,
     "compile_budget": _compile_budget,
     "tensile": _tensile,
+    "graph": _graph,
+    "tensile_graph": _tensile_graph,
     "vdnn": _policy("vdnn"),
     "vdnn_all": _policy("vdnn_all"),
     "capuchin": _policy("capuchin"),

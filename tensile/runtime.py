@@ -47,6 +47,16 @@ Mechanism (reference §9, §11):
   old block from reuse until the copy has read it). They return in their module's
   forward pre-hook; optimizer state returns just before ``optimizer.step()``.
 
+Capture (``step(..., capturing=True)`` inside ``torch.cuda.graph``, see
+:mod:`tensile.graph`) records the same work once into a CUDA graph. Two things change,
+because the caching allocator defers every block with a side-stream use to the end of
+a capture (so ``record_stream`` would keep every swapped tensor's memory for the whole
+step): a release makes the compute stream wait for that tensor's copy-out before it
+drops the tensor, and a copied-in buffer is used only after the compute stream waited
+for its copy, so neither needs ``record_stream``; at the end the copy streams join the
+compute stream, as a capture requires. Plans that move parameters or optimizer state
+across iterations are refused (a graph keeps their addresses), and so are timed steps.
+
 Simulation mode (``simulate=True``, CPU tensors) does the same bookkeeping with plain
 copies and no streams: it tests handles, positions, recomputation and counting on a
 machine without a GPU. Memory and time are only meaningful on CUDA.
@@ -341,6 +351,7 @@ class PlanRunner:
         self._mode_on = False
         self._in_step = False
         self._prev_iter = None
+        self.capturing = False   # this step is being captured into a CUDA graph
         if not recording.boundaries or len(recording.funcs) != len(self.nodes):
             raise ValueError("the recording has no anchors (op objects, phase changes): "
                              "record it with tensile.record.record_step")
@@ -479,13 +490,18 @@ class PlanRunner:
                     lambda _m, _i, sids=sids: self._restore(sids)))
 
     # ================================================================== one step
-    def step(self, batch: Sequence, *, measure_ops: bool = False, init_step: bool = False) -> StepResult:
+    def step(self, batch: Sequence, *, measure_ops: bool = False, init_step: bool = False,
+             capturing: bool = False) -> StepResult:
         """One training step under the plan.
 
         ``init_step``: the optimizer creates its state in this step, so its ops differ
         from the recording: the optimizer phase runs unplanned and unchecked.
         ``measure_ops``: time every op (CUDA events; host timers in simulation).
+        ``capturing``: the step runs inside ``torch.cuda.graph`` (see the module notes).
         """
+        if capturing:
+            self.check_capturable(measure_ops, init_step)
+        self.capturing = capturing
         self._begin(measure_ops, init_step)
         try:
             hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -500,8 +516,23 @@ class PlanRunner:
             self._set_mode(False)
             self._in_step = False
             self._entries, self._by_ptr = {}, {}
-            self.restore_all()
+            if not self.capturing:   # a failed capture must not touch the device again
+                self.restore_all()
             raise
+        finally:
+            self.capturing = False
+
+    def check_capturable(self, measure_ops: bool = False, init_step: bool = False) -> None:
+        """Refuse what a captured step cannot do, before anything runs."""
+        if self.simulate:
+            raise ValueError("a captured step needs CUDA; this runner simulates on the CPU")
+        if measure_ops or init_step:
+            raise ValueError("a captured step can be neither timed op by op nor the step that "
+                             "creates the optimizer state: run those steps uncaptured first")
+        if self._persistent:
+            raise ValueError("the plan moves parameters or optimizer state across iterations, "
+                             "but a CUDA graph keeps their addresses: plan with "
+                             "allow_cross_iteration=False to capture the step")
 
     def _begin(self, measure_ops: bool, init_step: bool) -> None:
         self.k = 0
@@ -525,7 +556,7 @@ class PlanRunner:
         self._op_t: list[float] = []
         if self.simulate:
             self._t0 = time.perf_counter()
-        else:
+        elif not self.capturing:   # timing events cannot be recorded into a graph
             self._iter_ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._iter_ev[0].record()
         # Parameters / state copied out last step now leave the device (no sync: the
@@ -650,6 +681,11 @@ class PlanRunner:
             result.iter_ms = (time.perf_counter() - self._t0) * 1e3
             if self.measure and not self.init_step:
                 result.op_ms = self._op_t
+        elif self.capturing:
+            # A capture must end with every forked stream joined back to the capture stream.
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.d2h)
+            compute.wait_stream(self.h2d)
         else:
             self._iter_ev[1].record()
             prev = self._prev_iter
@@ -741,6 +777,10 @@ class PlanRunner:
         if kind == "out":
             self._swap_out(e)
         elif kind == "release":
+            if self.capturing and e.out_done is not None:
+                # no record_stream in a capture: the block may be reused by the next
+                # allocation on the compute stream, which must come after the copy read it
+                torch.cuda.current_stream(self.device).wait_event(e.out_done)
             e.data = None  # the copy-out (if any) was issued before: its stream holds the block
         elif kind == "in":
             if e.data is None and e.host is not None and not e.in_backward:
@@ -831,8 +871,10 @@ class PlanRunner:
         with torch.cuda.stream(self.d2h), self._timed_copy("d2h", data.nbytes, self.d2h):
             host.copy_(data, non_blocking=True)
         # Hazard: the compute stream may free ``data`` right after this; the allocator
-        # must not hand its block out again before the copy has read it.
-        data.record_stream(self.d2h)
+        # must not hand its block out again before the copy has read it. (Captured: the
+        # release waits for the copy instead, see the module notes.)
+        if not self.capturing:
+            data.record_stream(self.d2h)
         done = torch.cuda.Event()
         done.record(self.d2h)
         return done
@@ -856,7 +898,8 @@ class PlanRunner:
             self.h2d.wait_event(out_done)  # the host region must be fully written
         with torch.cuda.stream(self.h2d), self._timed_copy("h2d", host.nbytes, self.h2d):
             buf.copy_(host, non_blocking=True)
-        buf.record_stream(self.h2d)
+        if not self.capturing:  # captured: compute waits for the copy before any use
+            buf.record_stream(self.h2d)
         ready = torch.cuda.Event()
         ready.record(self.h2d)
         return buf, ready

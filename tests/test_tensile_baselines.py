@@ -88,11 +88,27 @@ def vanilla():
 
 # --------------------------------------------------------------------------- every method
 
-@pytest.mark.parametrize("name", [m for m in METHODS if m != "compile_budget"])
+CAPTURED = ("graph", "tensile_graph")  # CUDA graphs: GPU tests (tests/test_tensile_gpu.py)
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if m != "compile_budget" and m not in CAPTURED])
 def test_every_method_takes_three_finite_steps(name):
     _, losses, step = train(name)
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses)))
     assert isinstance(step.stats(), dict)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("graph", "a CUDA graph needs a CUDA model; the model is on cpu"),
+    ("tensile_graph", r"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
+                      r"simulation \(model on cpu, simulate=None\)"),
+])
+def test_captured_methods_say_they_need_cuda(name, match):
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), capturable=True)
+    opts = {k: v for k, v in RATES.items()} if name == "tensile_graph" else {}
+    with pytest.raises(ValueError, match=match):
+        make_method(name, model, opt, F.cross_entropy, batches(1)[0], **opts)
 
 
 @pytest.mark.parametrize("make", [make_cnn, make_vgg_like, make_densenet],

@@ -183,6 +183,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.budget=1.5"], "budget must be null, a fraction in"),
     (["experiment.budget=-3"], "budget must be null"),
     (["experiment.memory_gb=16"], "need device=cuda"),
+    (["experiment.methods=[vanilla,tensile_graph]"], r"\['tensile_graph'\] capture CUDA graphs: they need device=cuda"),
     (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
@@ -235,12 +236,40 @@ def test_derived_metrics():
     assert tensile_run.derived_metrics(row, {**ref, "status": "error"})["eor"] is None
 
 
+def test_tensile_graph_is_measured_against_the_captured_vanilla_step():
+    graph = {"status": "ok", "mean_ms": 10.0, "peak_mem_mb": 1000.0}
+    row = {"status": "ok", "mean_ms": 11.0, "peak_mem_mb": 600.0}
+    m = tensile_run._against_graph(row, graph)
+    assert m["msr_vs_graph"] == pytest.approx(0.4) and m["eor_vs_graph"] == pytest.approx(0.1)
+    none = {"msr_vs_graph": None, "eor_vs_graph": None}
+    assert tensile_run._against_graph(row, None) == none
+    assert tensile_run._against_graph(row, {**graph, "status": "error"}) == none
+    # a capturable Adam for the captured methods only (a CUDA graph cannot read a host step count)
+    exp = _compose(["experiment=tensile"]).experiment
+    net = nn.Linear(2, 2)
+    assert tensile_run._optimizer(net, exp, capturable=True).param_groups[0]["capturable"] is True
+    assert tensile_run._optimizer(net, exp).param_groups[0]["capturable"] is False
+
+
+def test_methods_run_after_what_they_are_measured_against():
+    order = tensile_run.method_order
+    assert order(["checkpoint", "vanilla"], True) == ["vanilla", "checkpoint"]
+    assert order(["capuchin"], True) == ["vanilla", "tensile", "capuchin"]
+    assert order(["capuchin", "tensile"], False) == ["vanilla", "capuchin", "tensile"]  # own budget
+    assert order(["tensile_graph", "graph", "sac"], True) == ["vanilla", "graph", "tensile_graph", "sac"]
+    assert order(["tensile_graph"], True) == ["vanilla", "graph", "tensile_graph"]
+
+
 def test_setting_and_label_name_what_changes_the_measurement():
     exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
                     "experiment.activation_memory_budget=0.3"]).experiment
     assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5"
     assert tensile_run.method_label("compile_budget", exp) == "compile_budget=0.3"
     assert tensile_run.method_label("tensile", exp) == "tensile"
+    assert tensile_run.method_label("tensile_graph", exp) == "tensile_graph"
+    mo = _compose(["experiment=tensile", "experiment.max_overhead=0.05"]).experiment
+    assert tensile_run.method_label("tensile_graph", mo) == "tensile_graph(max_overhead=0.05)"
+    assert tensile_run.method_label("graph", mo) == "graph"
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"
@@ -283,15 +312,20 @@ def test_presets_cover_the_papers_workloads():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tmp_path):
     from experiments.env import gpu_slug
-    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,tensile]", device="cuda")
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,tensile,tensile_graph]", device="cuda")
     run.run_config(cfg)
     gpu = gpu_slug()
     rows = _rows(tmp_path, gpu)
+    assert set(rows) == {"vanilla", "checkpoint", "tensile", "graph", "tensile_graph"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
         assert float(r["peak_mem_mb"]) > 0 and r["extra"]["msr"] is not None
         assert r["extra"]["peak_reserved_mb"] >= float(r["peak_mem_mb"])
     assert rows["vanilla"]["extra"]["msr"] == 0
+    captured = rows["tensile_graph"]["extra"]
+    assert captured["graph_pool_mb"] > 0 and captured["eor_vs_graph"] is not None
+    assert captured["msr_vs_graph"] == pytest.approx(
+        1 - float(rows["tensile_graph"]["peak_mem_mb"]) / float(rows["graph"]["peak_mem_mb"]), abs=1e-3)
     # 1e-6 of an H200 is ~140 KB; the step must need a new segment for the cap to bite (a
     # tiny step fits in the free part of the 2 MB segment that already holds the inputs)
     cfg = _cfg(tmp_path, "experiment.methods=[vanilla]", "experiment.memory_fraction=1e-6",

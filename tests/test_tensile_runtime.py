@@ -419,3 +419,22 @@ def test_overhead_benchmark_prints_every_mode(capsys):
     assert all(t.ms_per_step > 0 for t in timings)
     out = capsys.readouterr().out
     assert "us/op" in out and "counted ops" in out
+
+
+def test_capturing_a_step_is_refused_where_it_cannot_work():
+    """A CUDA graph needs CUDA and a capturable optimizer: clear errors before anything runs."""
+    _, _, _, sched = scheduled(n=2, budget=None, allow_cross_iteration=False, replan=False)
+    with pytest.raises(ValueError, match="capture needs CUDA; this scheduler simulates on the CPU"):
+        sched.capture(*batches(1)[0])
+    with pytest.raises(ValueError, match="a captured step needs CUDA"):
+        sched.runner.step(batches(1)[0], capturing=True)
+    assert sched.runner.capturing is False
+    model = make_cnn()
+    with pytest.raises(ValueError, match="create it with capturable=True"):
+        tensile.GraphStep(lambda b, c: None, batches(1)[0], model, torch.optim.Adam(model.parameters()))
+    with pytest.raises(ValueError, match="a CUDA graph needs a CUDA model; the model is on cpu"):
+        tensile.GraphStep(lambda b, c: None, batches(1)[0], model,
+                          torch.optim.Adam(model.parameters(), capturable=True))
+    with pytest.raises(ValueError, match="tensile_graph captures a CUDA graph: it needs a CUDA model"):
+        tensile.make_method("tensile_graph", model, torch.optim.Adam(model.parameters()),
+                            nn.functional.cross_entropy, batches(1)[0], simulate=True)

@@ -1,0 +1,90 @@
+"""A training step captured into one CUDA graph and replayed: no host work per step.
+
+    graph = sched.capture(x, y)      # tensile.Scheduler: its plan's copies and recomputes too
+    for x, y in loader:
+        loss = graph(x, y)           # one replay: forward, backward, optimizer.step()
+
+Why: a host-bound job (small batches, many small kernels) pays for every Python hook the
+runtime adds, so its measured extra time says more about the host than about the plan's
+copies. Captured, the step's kernels, copies and event waits replay from the GPU's own
+queue; what a plan costs is then what it costs the GPU.
+
+How (``torch.cuda.graphs``' recipe): one uncaptured warm-up step on a side stream (lazy
+initialisation and the optimizer's state happen outside the graph; model, optimizer and
+RNG are put back afterwards, so the warm-up trains nothing), then one step inside
+``torch.cuda.graph``. Its allocations come from the graph's private pool, and a block
+freed during the capture serves later allocations of the same capture, so the pool is
+the captured step's peak. Inputs are copied into static tensors before every replay.
+
+Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
+optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
+overwritten by the next replay.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from nimble.allocator import GraphMemoryMeter
+from nimble.capture import check_allocator, check_call_inputs
+from nimble.training import check_capturable, put_back_step_state, save_step_state
+
+__all__ = ["GraphStep"]
+
+# step(batch, capturing) runs one training step and returns the (detached) loss.
+StepFn = Callable[[tuple, bool], torch.Tensor]
+
+
+class GraphStep:
+    """``step`` captured into a CUDA graph; calling it copies the batch in and replays.
+
+    ``peak_bytes``: the device's allocated peak during the capture (weights, optimizer
+    state and the captured step's own peak); ``pool_bytes``: what the graph's pool
+    reserved; ``reserved_bytes``: all the allocator reserved right after the capture.
+    A replay allocates nothing: these are what every replay needs.
+    """
+
+    def __init__(self, step: StepFn, batch: Sequence[torch.Tensor], model: nn.Module,
+                 optimizer: torch.optim.Optimizer, *, warmup: int = 1, streams: int = 1) -> None:
+        """``streams``: how many CUDA streams ``step`` uses (TENSILE's copies use two more)."""
+        check_capturable(optimizer)
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs a CUDA model; the model is on {device}")
+        if warmup < 1:
+            raise ValueError(f"warmup: expected at least 1 uncaptured step; got {warmup}")
+        for i, t in enumerate(batch):
+            if not isinstance(t, torch.Tensor) or t.device != device:
+                got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"batch element {i}: expected a tensor on {device}, got {got}")
+        check_allocator(streams)
+        self.static_batch = tuple(t.detach().clone() for t in batch)
+        saved = save_step_state(model, optimizer)
+        with torch.random.fork_rng(devices=[device]):
+            current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    step(self.static_batch, False)
+            current.wait_stream(side)
+            torch.cuda.synchronize(device)
+        put_back_step_state(model, optimizer, saved, [p.grad for p in model.parameters()])
+        torch.cuda.reset_peak_memory_stats(device)
+        meter = GraphMemoryMeter()    # synchronises and empties the cache first
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss = step(self.static_batch, True)
+        torch.cuda.synchronize(device)
+        self.peak_bytes = torch.cuda.max_memory_allocated(device)
+        self.pool_bytes = meter.read()
+        self.reserved_bytes = torch.cuda.memory_reserved(device)
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One training step on ``batch`` (same shapes, dtypes and device as captured)."""
+        check_call_inputs(self.static_batch, batch)
+        for static, x in zip(self.static_batch, batch):
+            static.copy_(x)
+        self.graph.replay()
+        return self.static_loss
