@@ -1,0 +1,132 @@
+"""Bring rows measured on another host into this checkout's ``results/``.
+
+    python -m experiments.merge /path/to/copied/results            # every <gpu>/*.csv there
+    python -m experiments.merge /path/to/copied/results --dry-run  # say what would change
+
+The offline workflow: a GPU host without network runs the sweeps into its own results
+folder (``results_dir=...``), the folder comes back (scp, a tarball, a job's output), and
+this command appends its rows to ``results/<gpu>/<file>.csv`` here. Rows are raw data and
+are never edited: a row already present (every column equal) is skipped, every other one
+is appended as it was written (measurement rows through :class:`experiments.store.ResultStore`;
+tables of their own, like the headroom's, line for line). Two files of one name with
+different column lists are refused, never mixed. Side files that experiments write next
+to the rows (TENSILE's several-jobs timelines) are copied when absent and refused when a
+different file of that name exists. Rebuild the report afterwards
+(``python -m experiments.report``).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import filecmp
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from experiments.store import COLUMNS, ResultStore, make_row, read_rows
+
+__all__ = ["MergeReport", "merge_results", "main"]
+
+REPO = Path(__file__).resolve().parents[1]
+# Raw files beside the row files: kept byte for byte (other CSVs there hold rows).
+SIDE_FILE_PREFIXES = ("tensile_multi_timeline_",)
+
+
+@dataclass
+class MergeReport:
+    """What a merge appended, skipped and copied, per destination file."""
+
+    appended: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    copied: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{name}: {n} row(s) appended, {self.skipped.get(name, 0)} already there"
+                 for name, n in sorted(self.appended.items())]
+        lines += [f"{name}: copied" for name in self.copied]
+        return "\n".join(lines) or "nothing to merge"
+
+
+def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeReport:
+    """Append ``source/<gpu>/*.csv`` rows missing from ``dest/<gpu>/`` (see the module notes).
+
+    Raises ``ValueError`` when ``source`` holds no result files or a file's column list
+    differs from its namesake's here, and ``FileExistsError`` when a side file differs.
+    """
+    source, dest = Path(source), Path(dest)
+    files = sorted(p for p in source.glob("*/*.csv"))
+    if not files:
+        raise ValueError(f"{source}: expected result files <gpu>/<name>.csv under it, found none")
+    report = MergeReport()
+    for path in files:
+        rel = path.relative_to(source)
+        target = dest / rel
+        if path.name.startswith(SIDE_FILE_PREFIXES):
+            _copy_side_file(path, target, rel, report, dry_run)
+            continue
+        header, target_header = _header(path), _header(target)
+        if target_header is not None and header != target_header:
+            raise ValueError(f"{path} has columns {header}, but {target} has {target_header}: "
+                             "files of two column lists are never mixed")
+        rows = read_rows(path)
+        have = {tuple(r.values()) for r in read_rows(target)}
+        if header == COLUMNS:   # measurement rows: through the store (normalised, locked)
+            new = [r for r in rows if tuple(make_row(**r).values()) not in have]
+        else:                   # an experiment's own table (the headroom's): line for line
+            new = [r for r in rows if tuple(r.values()) not in have]
+        report.appended[str(rel)] = len(new)
+        report.skipped[str(rel)] = len(rows) - len(new)
+        if dry_run or not new:
+            continue
+        if header == COLUMNS:
+            store = ResultStore(target)
+            for r in new:
+                store.append(r)
+        else:
+            _append_plain(target, header, new)
+    return report
+
+
+def _header(path: Path) -> list[str] | None:
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    with path.open(newline="") as f:
+        return next(csv.reader(f), None)
+
+
+def _append_plain(target: Path, header: list[str], rows: list[dict]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    new_file = _header(target) is None
+    with target.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, lineterminator="\n")
+        if new_file:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _copy_side_file(path: Path, target: Path, rel: Path, report: MergeReport, dry_run: bool) -> None:
+    if target.exists():
+        if not filecmp.cmp(path, target, shallow=False):
+            raise FileExistsError(f"{target} exists and differs from {path}: raw files are never "
+                                  "overwritten; move one aside")
+        return
+    report.copied.append(str(rel))
+    if not dry_run:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", type=Path, help="a results folder from another host (<gpu>/*.csv)")
+    ap.add_argument("--into", type=Path, default=REPO / "results",
+                    help="this checkout's results folder (default: %(default)s)")
+    ap.add_argument("--dry-run", action="store_true", help="only say what would be appended")
+    args = ap.parse_args(argv)
+    print(merge_results(args.source, args.into, args.dry_run))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""experiments.merge: rows from another host's results folder, appended once, never edited."""
+from __future__ import annotations
+
+import pytest
+
+from experiments import merge
+from experiments.store import ResultStore, read_rows
+
+
+def _row(backend: str, ms: float) -> dict:
+    return dict(experiment="inference", mode="inference", model="resnet50", backend=backend,
+                batch_size=1, status="ok", median_ms=ms, device="cuda", gpu="NVIDIA H200",
+                extra={"b": 2, "a": 1})
+
+
+def test_rows_missing_here_are_appended_once_and_side_files_copied(tmp_path, capsys):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    ResultStore(src / "h200" / "inference.csv").append(_row("eager", 6.3))
+    ResultStore(src / "h200" / "inference.csv").append(_row("nimble", 0.9))
+    ResultStore(dest / "h200" / "inference.csv").append(_row("eager", 6.3))
+    (src / "h200" / "tensile_multi_timeline_x.csv").write_text("t,mb\n0,1\n")
+
+    dry = merge.merge_results(src, dest, dry_run=True)
+    assert dry.appended == {"h200/inference.csv": 1} and dry.copied == ["h200/tensile_multi_timeline_x.csv"]
+    assert len(read_rows(dest / "h200" / "inference.csv")) == 1           # nothing written
+
+    assert merge.main([str(src), "--into", str(dest)]) == 0
+    out = capsys.readouterr().out
+    assert "h200/inference.csv: 1 row(s) appended, 1 already there" in out
+    rows = read_rows(dest / "h200" / "inference.csv")
+    assert [(r["backend"], r["median_ms"]) for r in rows] == [("eager", "6.3"), ("nimble", "0.9")]
+    assert rows[1] == read_rows(src / "h200" / "inference.csv")[1]       # as written there
+    assert (dest / "h200" / "tensile_multi_timeline_x.csv").read_text() == "t,mb\n0,1\n"
+
+    again = merge.merge_results(src, dest)                               # idempotent
+    assert again.appended == {"h200/inference.csv": 0} and again.copied == []
+
+
+def test_what_cannot_be_merged_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="expected result files <gpu>/<name>.csv under it, found none"):
+        merge.merge_results(tmp_path / "empty", tmp_path / "dest")
+    src = tmp_path / "src"
+    (src / "h200").mkdir(parents=True)
+    (src / "h200" / "inference.csv").write_text("model,ms\nresnet50,1.0\n")
+    ResultStore(tmp_path / "dest" / "h200" / "inference.csv").append(_row("eager", 6.3))
+    with pytest.raises(ValueError, match="has columns \\['model', 'ms'\\], but .* has \\['experiment'"):
+        merge.merge_results(src, tmp_path / "dest")
+    (src / "h200" / "inference.csv").unlink()
+    (src / "h200" / "tensile_multi_timeline_x.csv").write_text("new\n")
+    (tmp_path / "dest" / "h200" / "tensile_multi_timeline_x.csv").write_text("old\n")
+    with pytest.raises(FileExistsError, match="raw files are never overwritten"):
+        merge.merge_results(src, tmp_path / "dest")
+
+
+def test_an_experiments_own_table_is_merged_line_for_line(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "h200").mkdir(parents=True)
+    (dest / "h200").mkdir(parents=True)
+    (src / "h200" / "headroom.csv").write_text("model,copies,overlap\ndarts,2,1.30\ngooglenet,2,1.17\n")
+    (dest / "h200" / "headroom.csv").write_text("model,copies,overlap\ndarts,2,1.30\n")
+    rep = merge.merge_results(src, dest)
+    assert rep.appended == {"h200/headroom.csv": 1} and rep.skipped == {"h200/headroom.csv": 1}
+    assert (dest / "h200" / "headroom.csv").read_text() == \
+        "model,copies,overlap\ndarts,2,1.30\ngooglenet,2,1.17\n"
+    (src / "h200" / "headroom.csv").write_text("model,overlap\ndarts,1.3\n")
+    with pytest.raises(ValueError, match="files of two column lists are never mixed"):
+        merge.merge_results(src, dest)
