@@ -553,6 +553,7 @@ class PlanRunner:
         self._op_events: list = []
         self._stalls: list = []
         self._copies: list = []   # timed steps: (direction, bytes, start, end) of every copy
+        self._forked: list = []   # copy streams this step forked from the compute stream
         self._op_t: list[float] = []
         if self.simulate:
             self._t0 = time.perf_counter()
@@ -682,10 +683,12 @@ class PlanRunner:
             if self.measure and not self.init_step:
                 result.op_ms = self._op_t
         elif self.capturing:
-            # A capture must end with every forked stream joined back to the capture stream.
+            # A capture must end with every stream it forked joined back to the capture
+            # stream (and only those: waiting on a stream the capture never reached would
+            # wait on work outside the graph).
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.d2h)
-            compute.wait_stream(self.h2d)
+            for stream in self._forked:
+                compute.wait_stream(stream)
         else:
             self._iter_ev[1].record()
             prev = self._prev_iter
@@ -868,6 +871,7 @@ class PlanRunner:
             return None
         compute = torch.cuda.current_stream(self.device)  # before entering the side stream
         self.d2h.wait_stream(compute)
+        self._fork(self.d2h)
         with torch.cuda.stream(self.d2h), self._timed_copy("d2h", data.nbytes, self.d2h):
             host.copy_(data, non_blocking=True)
         # Hazard: the compute stream may free ``data`` right after this; the allocator
@@ -894,6 +898,7 @@ class PlanRunner:
             return buf, None
         # The new block may have been used by compute work enqueued before: wait for it.
         self.h2d.wait_stream(compute)
+        self._fork(self.h2d)
         if out_done is not None:
             self.h2d.wait_event(out_done)  # the host region must be fully written
         with torch.cuda.stream(self.h2d), self._timed_copy("h2d", host.nbytes, self.h2d):
@@ -903,6 +908,10 @@ class PlanRunner:
         ready = torch.cuda.Event()
         ready.record(self.h2d)
         return buf, ready
+
+    def _fork(self, stream) -> None:
+        if not any(stream is s for s in self._forked):
+            self._forked.append(stream)
 
     @contextlib.contextmanager
     def _timed_copy(self, direction: str, nbytes: int, stream):
