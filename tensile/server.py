@@ -7,10 +7,10 @@ op times, and receive their part of one joint plan (:mod:`tensile.multi`). The s
 re-plans when a job arrives, leaves or disappears (connection closed, e.g. the process
 was killed, or silent for ``--heartbeat-timeout`` seconds), when a job reports its
 first measured iteration, and when a job's iteration time drifts more than 30 % from
-the one its plan assumed (median of the last 5 iterations, against the median when the
-plan was made; a single iteration time of a job sharing the GPU is too noisy, see
-:class:`tensile.estimate.DriftDetector`). Every re-plan is logged with its reason and
-sent to every job.
+its level under the current plan (median of the last 5 iterations, against the median of
+the first ones under that plan, see ``SKIP_AFTER_PLAN``; a single iteration time of a job
+sharing the GPU is too noisy, see :class:`tensile.estimate.DriftDetector`). Every re-plan
+is logged with its reason and sent to every job.
 
 One asyncio loop serves all connections; planning runs in a worker thread so that the
 loop keeps answering (a job's ``measured`` is acknowledged before any re-plan it
@@ -48,6 +48,15 @@ __all__ = ["SchedulerServer", "main"]
 
 log = logging.getLogger("tensile.server")
 
+# After a new plan is sent, this many reports stay out of the drift test: one may have been
+# measured under the old plan (in flight), the next is the step that switched plans (the
+# runtime checks every op there, and the allocator grows). The reference is then the median
+# of the next DRIFT_MIN_REPORTS: the new plan's own level, as tensile.estimate.OpTimeModel
+# does for a job that plans locally. (Taking the old plan's median as the reference made a
+# plan that changes the iteration time by > 30 % re-plan on "drift" again and again: the
+# H200 runs of 2026-11-29 saw 7 drift re-plans for one ResNet-50 job alone.)
+SKIP_AFTER_PLAN = 2
+
 
 @dataclass
 class _Job:
@@ -67,6 +76,7 @@ class _Job:
     iter_start_s: float | None = None
     reference_ms: float | None = None  # median iteration time under the current plan
     drift: DriftDetector = field(default_factory=DriftDetector)  # reported iteration times
+    skip: int = 0                      # reports still to leave out of the drift test
     pending_reply: int | None = None   # seq of the register message awaiting its plan
     registered_at: float = field(default_factory=time.monotonic)
 
@@ -274,13 +284,17 @@ class SchedulerServer:
             job.op_ms = [max(w * m + (1 - w) * e, 1e-6) for m, e in zip(times, job.op_ms)]
         first = not job.measured
         job.measured, job.iter_ms = True, msg["iter_ms"]
-        job.drift.add(job.iter_ms)
         job.op_start_ms = starts
         if "iter_start_s" in msg:
             job.iter_start_s = msg["iter_start_s"]
         if first:
+            job.drift.add(job.iter_ms)
             reason = f"first measurement of {job.job_id} ({job.iter_ms:.2f} ms per iteration)"
+        elif job.skip:
+            job.skip -= 1
+            reason = None
         else:
+            job.drift.add(job.iter_ms)
             reason = self._drift_reason(job)
         if reason is not None:
             job.reference_ms = None  # no drift test until the re-plan asked for here lands
@@ -340,9 +354,6 @@ class SchedulerServer:
             d2h = self.d2h_bw or min(j.d2h_bw for j in jobs)
             h2d = self.h2d_bw or min(j.h2d_bw for j in jobs)
             specs = [j.spec() for j in jobs]
-            # Drift references: the median of the last reports (the planner itself takes
-            # the last report, whose op starts fit its iter_ms); None before 3 reports.
-            references = {j.job_id: j.drift.settled_ms() for j in jobs}
             try:
                 joint = await asyncio.to_thread(
                     plan_jobs, specs, budget_bytes=self.budget_bytes, d2h_bw=d2h, h2d_bw=h2d,
@@ -373,8 +384,8 @@ class SchedulerServer:
             for j in jobs:
                 if self.jobs.get(j.job_id) is not j:
                     continue  # left while we planned; its departure triggered another run
-                j.reference_ms = references[j.job_id]
-                j.drift.restart()  # judge the new reference by reports that come after it
+                # The new plan's level is measured afresh (see SKIP_AFTER_PLAN).
+                j.reference_ms, j.drift, j.skip = None, DriftDetector(), SKIP_AFTER_PLAN
                 msg = {"type": "plan", "job_id": j.job_id, "version": self.version,
                        "reason": reason, "plan": asdict(joint.plans[j.job_id]),
                        "joint": summary}

@@ -324,6 +324,28 @@ def test_a_step_change_replans_once_and_the_new_level_becomes_the_reference(star
     assert srv.jobs["a"].reference_ms == pytest.approx(1.6 * 59.0, rel=0.05)
 
 
+def test_a_plan_that_changes_the_iteration_time_is_not_drift(start_server, clients):
+    """The reference is the new plan's own level: a plan that makes the step slower (its
+    copies, its recomputes) must not count as drift from the level before it."""
+    srv = start_server()
+    c = measured_job(srv, clients, 60.0)
+    for _ in range(6):
+        c.report(60.0)
+    v = c.version
+    for _ in range(5):                  # a co-runner starts: +60 %, a drift re-plan
+        c.report(96.0)
+        if newer(c, v, timeout=0.5):
+            break
+    assert c.reason.startswith("drift of a: 96.00 ms"), c.reason
+    v = c.version
+    c.report(96.0)                      # measured under the old plan, in flight
+    for _ in range(12):                 # the new plan's steps take longer: its own level
+        c.report(150.0)
+    quiet(c, v, srv)
+    assert sum("drift" in r for r in srv.replans) == 1, srv.replans
+    assert srv.jobs["a"].reference_ms == pytest.approx(150.0)
+
+
 def test_weights_are_honoured_end_to_end(start_server, clients):
     srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
     light, heavy = clients(srv, "light", weight=1.0), clients(srv, "heavy", weight=3.0)
