@@ -10,15 +10,16 @@ are never edited: a row already present (every column equal) is skipped, every o
 is appended as it was written (measurement rows through :class:`experiments.store.ResultStore`;
 tables of their own, like the headroom's, line for line). Two files of one name with
 different column lists are refused, never mixed. Side files that experiments write next
-to the rows (TENSILE's several-jobs timelines) are copied when absent and refused when a
-different file of that name exists. Rebuild the report afterwards
-(``python -m experiments.report``).
+to the rows (TENSILE's several-jobs timelines and their plots) are copied when absent and
+refused when a different file of that name exists. Reports, other plots and traces are
+not copied: rebuild the report here afterwards (``python -m experiments.report``).
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import filecmp
+import fnmatch
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +30,10 @@ from experiments.store import COLUMNS, ResultStore, make_row, read_rows
 __all__ = ["MergeReport", "merge_results", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
-# Raw files beside the row files: kept byte for byte (other CSVs there hold rows).
-SIDE_FILE_PREFIXES = ("tensile_multi_timeline_",)
+# Files experiments write beside the rows, kept byte for byte: TENSILE's several-jobs
+# memory timelines and their plots (drawn at run time from samples that only the timeline
+# keeps). Every other CSV there holds rows.
+SIDE_FILES = ("tensile_multi_timeline_*.csv", "tensile_multi_*.png")
 
 
 @dataclass
@@ -55,16 +58,18 @@ def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeRepor
     differs from its namesake's here, and ``FileExistsError`` when a side file differs.
     """
     source, dest = Path(source), Path(dest)
-    files = sorted(p for p in source.glob("*/*.csv"))
-    if not files:
+    files = sorted(p for p in source.glob("*/*") if p.is_file())
+    if not any(p.suffix == ".csv" for p in files):
         raise ValueError(f"{source}: expected result files <gpu>/<name>.csv under it, found none")
     report = MergeReport()
     for path in files:
         rel = path.relative_to(source)
         target = dest / rel
-        if path.name.startswith(SIDE_FILE_PREFIXES):
+        if any(fnmatch.fnmatch(path.name, pattern) for pattern in SIDE_FILES):
             _copy_side_file(path, target, rel, report, dry_run)
             continue
+        if path.suffix != ".csv":
+            continue   # report, plots and traces: the report is rebuilt here
         header, target_header = _header(path), _header(target)
         if target_header is not None and header != target_header:
             raise ValueError(f"{path} has columns {header}, but {target} has {target_header}: "

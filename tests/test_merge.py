@@ -19,9 +19,12 @@ def test_rows_missing_here_are_appended_once_and_side_files_copied(tmp_path, cap
     ResultStore(src / "h200" / "inference.csv").append(_row("nimble", 0.9))
     ResultStore(dest / "h200" / "inference.csv").append(_row("eager", 6.3))
     (src / "h200" / "tensile_multi_timeline_x.csv").write_text("t,mb\n0,1\n")
+    (src / "h200" / "tensile_multi_x.png").write_bytes(b"\x89PNG plot")
+    (src / "h200" / "report.md").write_text("their report")            # rebuilt here, not copied
 
     dry = merge.merge_results(src, dest, dry_run=True)
-    assert dry.appended == {"h200/inference.csv": 1} and dry.copied == ["h200/tensile_multi_timeline_x.csv"]
+    assert dry.appended == {"h200/inference.csv": 1}
+    assert dry.copied == ["h200/tensile_multi_timeline_x.csv", "h200/tensile_multi_x.png"]
     assert len(read_rows(dest / "h200" / "inference.csv")) == 1           # nothing written
 
     assert merge.main([str(src), "--into", str(dest)]) == 0
@@ -31,6 +34,8 @@ def test_rows_missing_here_are_appended_once_and_side_files_copied(tmp_path, cap
     assert [(r["backend"], r["median_ms"]) for r in rows] == [("eager", "6.3"), ("nimble", "0.9")]
     assert rows[1] == read_rows(src / "h200" / "inference.csv")[1]       # as written there
     assert (dest / "h200" / "tensile_multi_timeline_x.csv").read_text() == "t,mb\n0,1\n"
+    assert (dest / "h200" / "tensile_multi_x.png").read_bytes() == b"\x89PNG plot"
+    assert not (dest / "h200" / "report.md").exists()
 
     again = merge.merge_results(src, dest)                               # idempotent
     assert again.appended == {"h200/inference.csv": 0} and again.copied == []
