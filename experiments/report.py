@@ -473,6 +473,7 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
         msr, eor = e.get("msr_nvml"), e.get("eor")
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
+                "allocator share": _allocator_share(e, extras),
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
                 "MSR alloc (jobs)": mean("msr_alloc"), "cold-start MSR (jobs)": mean("cold_start_msr"),
                 "iters to steady (jobs)": mean("iters_to_steady")}
@@ -488,6 +489,17 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
                 line["verdict"] = "reproduced" if ok else "not reproduced"
         out.append(line)
     return pd.DataFrame(out)
+
+
+def _allocator_share(gpu: dict, jobs: list[dict]) -> float | None:
+    """What the jobs' caching allocators held (reserved peaks, vanilla) of the GPU memory
+    used above idle (NVML, vanilla): the part a plan can act on. The rest is each
+    process's CUDA context, loaded kernels and library handles."""
+    used = (gpu.get("peak_vanilla_mb") or 0) - (gpu.get("idle_vanilla_mb") or 0)
+    held = [j.get("peak_reserved_vanilla_mb") for j in jobs]
+    if used <= 0 or not held or any(h is None for h in held):
+        return None
+    return round(sum(held) / used, 3)
 
 
 def _prefer_full(sp: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -777,7 +789,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"))
         md += ["## TENSILE: several jobs on one GPU", "",
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
-               "left out; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
+               "left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
+               "used memory: the part any plan can act on (the rest is each process's CUDA context, "
+               "kernels and library handles), so MSR (NVML) ≤ allocator share; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
                "columns are means over the setting's jobs (allocator peaks). `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]

@@ -342,3 +342,21 @@ def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     fig = report.plot_multistream(report.load_rows(results / "h200"), table)
     assert "2 independent copies" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
+
+
+def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
+    """Allocator share: the jobs' allocator peaks over the GPU memory used above idle (NVML)."""
+    store = ResultStore(tmp_path / "h200" / "tensile_multi.csv")
+    common = dict(experiment="tensile_multi", mode="copies:resnet50x2", model="resnet50",
+                  batch_size=2, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5, iters=50)
+    store.append({**common, "backend": "GPU", "extra": {
+        "msr_nvml": -0.04, "eor": 0.5, "replans": 3, "scenario": "copies", "copies": 2,
+        "peak_vanilla_mb": 3618.0, "idle_vanilla_mb": 618.0}})
+    for job in ("resnet50-1", "resnet50-2"):
+        store.append({**common, "backend": job, "mean_ms": 30.0, "extra": {
+            "msr_alloc": 0.06, "peak_reserved_vanilla_mb": 600.0}})
+    table = report.tensile_multi_table(report.load_rows(tmp_path / "h200")).set_index("setting")
+    assert table.loc["copies:resnet50x2", "allocator share"] == pytest.approx(1200 / 3000)
+    assert report._allocator_share({"peak_vanilla_mb": 618.0, "idle_vanilla_mb": 618.0}, [{}]) is None
+    assert report._allocator_share({"peak_vanilla_mb": 900.0, "idle_vanilla_mb": 600.0},
+                                   [{"peak_reserved_vanilla_mb": None}]) is None
