@@ -148,16 +148,19 @@ class NimbleChannelsLastBackend(NimbleBackend):
 
 
 class NimbleAutoBackend(NimbleBackend):
-    """Whole-step training on the plan's streams or on one stream, whichever replays faster
-    on the example batch (``prepare_step(use_multi_stream="auto")``). Whole-step only."""
+    """The plan's streams or one stream, whichever replays faster on the example input:
+    inference (``prepare(use_multi_stream="auto")``) and whole-step training
+    (``prepare_step(use_multi_stream="auto")``). Not the fwd-bwd training mode."""
 
     name = "nimble-auto"
     multi_stream = "auto"
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
-        raise BackendUnavailable(f"{self.name} is for whole-step training only "
-                                 "(experiment.mode=whole-step)")
+        if training:
+            raise BackendUnavailable(f"{self.name} compares whole graphs: for training it "
+                                     "needs experiment.mode=whole-step")
+        return super().prepare(model, example_inputs, training)
 
 
 class NimbleInductorBackend(Backend):

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, measure_eager_peak
 from .graph import TaskGraph
-from .capture import check_call_inputs
+from .capture import check_call_inputs, median_replay_ms
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
 __all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward",
@@ -449,15 +449,12 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
 
     saved = save_step_state(nimble.module, optimizer)
     rng = torch.cuda.get_rng_state()
-    times: dict[str, list[float]] = {"multi": [], "single": []}
-    for _ in range(rounds):
-        for name, step in (("multi", multi), ("single", single)):
-            times[name].append(_replay_ms(step.graph, replays))
+    medians = median_replay_ms({"multi": multi.graph, "single": single.graph}, rounds, replays)
     torch.cuda.synchronize()
     put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
     torch.cuda.set_rng_state(rng)
 
-    t_multi, t_single = (sorted(t)[len(t) // 2] for t in (times["multi"], times["single"]))
+    t_multi, t_single = medians["multi"], medians["single"]
     note = (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
             f"{t_single:.3f} ms per step (median of {rounds} x {replays} replays)")
     if t_multi < t_single:
@@ -471,18 +468,6 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     loser.graph.reset()   # its memory pool goes back to the allocator
     nimble.stats.notes.append(note)
     return winner
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Mean ms per replay of ``graph`` over ``replays`` back-to-back replays (one warm-up)."""
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def check_capturable(optimizer: torch.optim.Optimizer) -> None:

@@ -126,6 +126,58 @@ def test_prepare_step_names_its_stream_choices():
                                    nn.functional.cross_entropy, opt, use_multi_stream="fast")
 
 
+def test_prepare_names_its_stream_choices_before_anything_runs():
+    with pytest.raises(NimbleError, match="use_multi_stream must be True, False or 'auto', got 'fast'"):
+        Nimble(nn.ReLU().eval()).prepare(torch.randn(2), use_multi_stream="fast")
+    with pytest.raises(NimbleError, match="for training it is an option of prepare_step"):
+        Nimble(nn.ReLU()).prepare(torch.randn(2), training=True, use_multi_stream="auto")
+
+
+def test_auto_keeps_the_faster_capture_and_its_state(monkeypatch):
+    """use_multi_stream="auto" on stand-ins for the two captures: the graph that replays
+    faster wins, with its plan, streams, outputs and stats; the loser's pool is released."""
+    import nimble.capture as capture
+
+    class FakeGraph:
+        def __init__(self, ms):
+            self.ms, self.released = ms, False
+
+        def reset(self):
+            self.released = True
+
+    for multi_ms, single_ms, kept in ((1.0, 2.0, "multi"), (2.0, 1.0, "single")):
+        fast = Nimble(nn.ReLU().eval())
+        graphs = {"multi": FakeGraph(multi_ms), "single": FakeGraph(single_ms)}
+
+        class Plan:
+            num_streams = 3
+
+        fast.plan, fast._streams, fast._cuda_graph = Plan(), ["s0", "s1", "s2"], graphs["multi"]
+        fast._static_outputs, fast._out_spec, fast.graph = ["out-multi"], "spec", "task graph"
+        fast.stats.num_streams, fast.stats.graph_pool_bytes = 3, 300
+
+        def adopt(graph):
+            assert graph == "task graph" and fast._use_multi_stream is False
+            fast.plan, fast._streams = "one-stream plan", ["s0"]
+            fast.stats.num_streams = 1
+
+        def capture_forward():
+            fast._cuda_graph, fast._static_outputs = graphs["single"], ["out-single"]
+            fast.stats.graph_pool_bytes = 100
+
+        monkeypatch.setattr(fast, "_adopt_graph", adopt)
+        monkeypatch.setattr(fast, "_capture_forward", capture_forward)
+        monkeypatch.setattr(capture, "replay_ms", lambda g, n: g.ms)
+        fast._keep_faster_forward()
+        assert fast._cuda_graph is graphs[kept] and not graphs[kept].released
+        assert graphs["single" if kept == "multi" else "multi"].released
+        assert fast._static_outputs == [f"out-{kept}"]
+        assert (fast.stats.num_streams, fast.stats.graph_pool_bytes) == \
+            ((3, 300) if kept == "multi" else (1, 100))
+        assert fast.stats.notes[-1].startswith("use_multi_stream='auto': 3 streams")
+        assert fast.stats.notes[-1].endswith("kept the streams" if kept == "multi" else "kept one stream")
+
+
 def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
     """Measured on the H200: multi-stream capture under cudaMallocAsync aborts the process."""
     import nimble.capture as capture

@@ -204,3 +204,19 @@ def test_prioritized_critical_streams_give_the_same_outputs(name):
     x = example_input(name, 8, "cuda").normal_()
     with torch.no_grad():
         assert rel_err(fast(x), model(x)) < TOL
+
+
+@pytest.mark.parametrize("name", ["resnet50", "googlenet"])
+def test_auto_keeps_one_of_the_two_captures_and_matches_eager(name):
+    """use_multi_stream="auto": both graphs captured and replayed in turns, the faster kept
+    (its stream count says which); outputs still equal eager's."""
+    model = build_model(name).cuda().eval()
+    x = example_input(name, 8, "cuda")
+    fast = Nimble(model).prepare(x, use_multi_stream="auto")
+    planned = Nimble(model).prepare(x).stats.num_streams
+    note = fast.stats.notes[-1]
+    assert note.startswith(f"use_multi_stream='auto': {planned} streams"), note
+    assert fast.stats.num_streams == (planned if note.endswith("kept the streams") else 1), note
+    with torch.no_grad():
+        ref = model(x)
+    assert rel_err(fast(x), ref) < TOL
