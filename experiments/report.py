@@ -29,6 +29,7 @@ __all__ = [
     "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
+    "plot_tensile_multi_msr",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
     "nimble_memory_table",
 ]
@@ -609,6 +610,40 @@ def plot_multistream(df: pd.DataFrame, headroom: pd.DataFrame | None = None) -> 
 GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 
 
+def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
+    """Per several-jobs setting (:func:`tensile_multi_table`): our MSR on NVML memory beside
+    the allocator share (the most any plan could save there) and the authors' MSR."""
+    t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")]
+    if t.empty:
+        return None
+    bars = [("MSR (NVML)", "ours: MSR (NVML)"), ("allocator share", "allocator share (upper bound)")]
+    if "paper MSR" in t and t["paper MSR"].notna().any():
+        bars.append(("paper MSR", "TENSILE authors"))
+    x, width = np.arange(len(t)), 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(t) + 2), 4))
+    for i, (col, label) in enumerate(bars):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * width, t[col].to_numpy(dtype=float), width, label=label)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xticks(x, [_short_setting(s) for s in t["setting"]], rotation=30, ha="right")
+    ax.set_ylabel("share of used GPU memory")
+    ax.set_title("TENSILE, several jobs: memory saved (NVML) and what a plan can reach")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def _short_setting(setting: str) -> str:
+    """``copies:resnet50x2`` -> ``resnet50x2``; ``mdw:a+b+c`` -> ``mdw (3 models)``;
+    ``dynamic:a+b:every=5`` -> ``dynamic (2 models, every=5)``."""
+    kind, _, rest = setting.partition(":")
+    if kind == "copies":
+        return rest
+    models, _, knob = rest.partition(":")
+    n = len(models.split("+"))
+    return f"{kind} ({n} models{', ' + knob if knob else ''})"
+
+
+
 def plot_stream_timeline(trace_json_path: str | Path, out_png: str | Path | None = None) -> Figure:
     """Per-stream timeline (Gantt) of the GPU events of a torch.profiler chrome trace.
 
@@ -795,6 +830,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "columns are means over the setting's jobs (allocator peaks). `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]
+        figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)
 
     if headroom is not None:
         md += ["## Concurrency headroom: K model copies on one stream vs K streams", "",

@@ -360,3 +360,16 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert report._allocator_share({"peak_vanilla_mb": 618.0, "idle_vanilla_mb": 618.0}, [{}]) is None
     assert report._allocator_share({"peak_vanilla_mb": 900.0, "idle_vanilla_mb": 600.0},
                                    [{"peak_reserved_vanilla_mb": None}]) is None
+
+
+def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
+    table = pd.DataFrame({"setting": ["copies:resnet50x1", "mdw:a+b+c", "copies:vgg16x1*"],
+                          "MSR (NVML)": [-0.04, -0.03, 0.1], "allocator share": [0.46, 0.6, 0.8],
+                          "paper MSR": [0.257, None, 0.15]})
+    fig = report.plot_tensile_multi_msr(table)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["resnet50x1", "mdw (3 models)"]  # no smoke
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == \
+        ["ours: MSR (NVML)", "allocator share (upper bound)", "TENSILE authors"]
+    assert report._short_setting("dynamic:a+b:every=5") == "dynamic (2 models, every=5)"
+    assert report.plot_tensile_multi_msr(table.assign(**{"MSR (NVML)": None})) is None
