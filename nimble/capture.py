@@ -698,7 +698,7 @@ def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[An
                 f"input {i}: prepared for shape {tuple(want.shape)}, {want.dtype} on "
                 f"{want.device}; called with shape {tuple(x.shape)}, {x.dtype} on "
                 f"{x.device}. A captured graph is specialised to its input shapes: "
-                f"prepare another Nimble object for other shapes.")
+                f"capture another one (a new Nimble object, or tensile's capture) for other shapes.")
 
 
 def check_allocator(num_streams: int) -> None:
