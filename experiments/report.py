@@ -29,7 +29,7 @@ __all__ = [
     "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
-    "plot_tensile_multi_msr",
+    "plot_tensile_multi_msr", "plot_tensile_tradeoff",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
     "nimble_memory_table",
 ]
@@ -610,6 +610,50 @@ def plot_multistream(df: pd.DataFrame, headroom: pd.DataFrame | None = None) -> 
 GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 
 
+def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = None) -> Figure | None:
+    """One panel per model at the paper's batch (16): memory saved (MSR) against extra time
+    (EOR) for every method, the TENSILE authors' point, and the target region (MSR at least
+    theirs, EOR at most half of theirs) shaded. A captured TENSILE step is placed by its
+    figures against the captured vanilla step."""
+    m = metrics[(metrics["mode"] == "whole-step") & (metrics["batch_size"] == 16)].copy()
+    captured = (m["method"].str.match(r"tensile_graph($|\()") & m["msr_vs_graph"].notna()).to_numpy()
+    for col in ("msr", "eor"):
+        m[col] = np.where(captured, pd.to_numeric(m[f"{col}_vs_graph"], errors="coerce"),
+                          pd.to_numeric(m[col], errors="coerce"))
+    m["method"] = np.where(captured, m["method"] + " vs graph", m["method"])
+    m = m[m["msr"].notna() & m["eor"].notna() & (m["method"] != "vanilla")]
+    if m.empty:
+        return None
+    models = list(dict.fromkeys(m["model"]))
+    cols = min(3, len(models))
+    rows_n = -(-len(models) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
+    for ax in axes.flat[len(models):]:
+        ax.set_visible(False)
+    for ax, model in zip(axes.flat, models):
+        rows = m[m["model"] == model]
+        for _, r in rows.iterrows():
+            ours = str(r["method"]).startswith("tensile")
+            ax.scatter(r["eor"], r["msr"], marker="o" if ours else "s", s=30)
+            ax.annotate(r["method"], (r["eor"], r["msr"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        p = None if paper is None else paper[paper["model"] == model]
+        if p is not None and len(p):
+            p = p.iloc[0]
+            ax.scatter(p["eor"], p["msr"], marker="*", s=120, color="black", label="TENSILE authors")
+            ax.fill_between([min(0.0, rows["eor"].min()) - 0.05, p["eor"] / 2], p["msr"], 1.0,
+                            color="green", alpha=0.12, label="target")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("EOR (extra time)")
+        ax.set_ylim(min(-0.1, rows["msr"].min() - 0.05), 1.0)
+    for row in axes:
+        row[0].set_ylabel("MSR (memory saved)")
+    fig.suptitle("TENSILE, one job, batch 16: memory saved against extra time", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     """Per several-jobs setting (:func:`tensile_multi_table`): our MSR on NVML memory beside
     the allocator share (the most any plan could save there) and the authors' MSR."""
@@ -810,6 +854,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "variants (`tensile`, `tensile(max_overhead=…)`) the line shows one that meets the "
                    "target if any, else the one that saves the most memory.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
+        figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile)
         check = tensile_plan_check(df)
         if len(check):
             md += ["### What the plans assumed against what the GPU did", "",
