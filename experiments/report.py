@@ -621,7 +621,7 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
         m[col] = np.where(captured, pd.to_numeric(m[f"{col}_vs_graph"], errors="coerce"),
                           pd.to_numeric(m[col], errors="coerce"))
     m["method"] = np.where(captured, m["method"] + " vs graph", m["method"])
-    m = m[m["msr"].notna() & m["eor"].notna() & (m["method"] != "vanilla")]
+    m = m[m["msr"].notna() & m["eor"].notna() & ~m["method"].isin(["vanilla", "graph"])]  # references
     if m.empty:
         return None
     models = list(dict.fromkeys(m["model"]))
