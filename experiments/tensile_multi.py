@@ -52,7 +52,10 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   its first one (``plan_versions`` lists them); ``iters_to_steady`` = the first step (0-based,
   warm-up included) after which every iteration time stays within 10 % of the measured
   median, empty if the last one is not; ``passive_swapins``, ``swap_ins``, ``bytes_swapped``
-  (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``);
+  (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``); what the
+  last plan assumed beside what the timed steps measured (``SchedulerReport.plan_check()``:
+  ``plan_iteration_ms``, ``d2h_gbps_measured``, ``h2d_gbps_measured``,
+  ``stall_ms_per_timed_step``);
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and ready (that start-up includes TENSILE's
@@ -393,7 +396,8 @@ def run_job(p: dict) -> dict:
                        swap_ins=after.swap_ins - before.swap_ins,
                        recomputes=after.recomputes - before.recomputes,
                        bytes_swapped=(after.bytes_d2h + after.bytes_h2d
-                                      - before.bytes_d2h - before.bytes_h2d))
+                                      - before.bytes_d2h - before.bytes_h2d),
+                       **after.plan_check())
         return out
     finally:
         if sched is not None:
@@ -765,7 +769,9 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
             extra["iters_to_steady"] = s["iters_to_steady"]
             extra.update({k: res.get(k) for k in (
                 "replans", "plan_versions", "plan_at_first_step", "plans_received", "connected",
-                "passive_swapins", "swap_ins", "recomputes", "bytes_swapped")})
+                "passive_swapins", "swap_ins", "recomputes", "bytes_swapped",
+                "plan_iteration_ms", "timed_steps", "d2h_gbps_measured", "h2d_gbps_measured",
+                "stall_ms_per_timed_step")})
     if "vanilla" in fields and "tensile" in fields:
         d = derived_metrics(fields["tensile"], fields["vanilla"])
         extra.update(msr_alloc=d["msr"], msr_reserved=d["msr_reserved"], eor=d["eor"], cbr=d["cbr"])

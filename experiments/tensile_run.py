@@ -41,7 +41,7 @@ from experiments.store import ResultStore, row_key
 from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
-from tensile.runtime import bytes_per_s
+from tensile.api import SchedulerReport
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +201,6 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in ("steps", "swap_ins", "passive_swap_ins", "recomputes",
                                            "bytes_d2h", "bytes_h2d", "ineffective_releases")}
     steps = d["steps"] or 1
-    # The channels' bandwidth over every timed step so far (warm-up included: the first
-    # steady step is timed, the measured ones only on drift).
-    measured = {f"{ch}_gbps_measured": _gbps(bytes_per_s(after[f"timed_{ch}_bytes"],
-                                                         after[f"timed_{ch}_ms"]))
-                for ch in ("d2h", "h2d")}
     return {
         "passive_share": d["passive_swap_ins"] / d["swap_ins"] if d["swap_ins"] else None,
         "bytes_moved_per_step": (d["bytes_d2h"] + d["bytes_h2d"]) / steps,
@@ -222,12 +217,9 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
         "budget_mb": None if after["budget_bytes"] is None else after["budget_bytes"] / MB,
         "host_pool_mb": after["host_pool_bytes"] / MB,
         "stall_ms": after["stall_ms"] - before["stall_ms"],   # timed (measuring) steps only
-        # the plan's assumptions against the timed steps' copies (beside d2h_gbps/h2d_gbps,
-        # the bandwidths the planner was given): where a plan's hidden copies stop hiding
-        "plan_iteration_ms": after["plan_iteration_ms"], "timed_steps": after["timed_steps"],
-        "stall_ms_per_timed_step": (after["stall_ms"] / after["timed_steps"]
-                                    if after["timed_steps"] else None),
-        **measured,
+        # the plan's assumptions against every timed step so far, warm-up included (beside
+        # d2h_gbps/h2d_gbps, the bandwidths the planner was given): where hidden copies stop hiding
+        **SchedulerReport(**after).plan_check(),
     }
 
 

@@ -102,6 +102,19 @@ class SchedulerReport:
     plan_reason: str | None = None    # why the scheduler made it
     plans_received: int = 0           # plan switches ordered by the scheduler
 
+    def plan_check(self) -> dict:
+        """What the plan assumed beside what its timed steps measured: the iteration it
+        was made for (ms), the copies' bandwidths (GB/s, None before a timed step with
+        copies) and the compute stream's wait for copy-ins per timed step (ms)."""
+        def gbps(nbytes: int, ms: float) -> float | None:
+            rate = bytes_per_s(nbytes, ms)
+            return None if rate is None else round(rate / 1e9, 2)
+        return {"plan_iteration_ms": self.plan_iteration_ms, "timed_steps": self.timed_steps,
+                "d2h_gbps_measured": gbps(self.timed_d2h_bytes, self.timed_d2h_ms),
+                "h2d_gbps_measured": gbps(self.timed_h2d_bytes, self.timed_h2d_ms),
+                "stall_ms_per_timed_step": (self.stall_ms / self.timed_steps
+                                            if self.timed_steps else None)}
+
     def __str__(self) -> str:
         mib = 1 << 20
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / mib:.1f} MiB"

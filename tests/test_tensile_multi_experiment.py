@@ -63,6 +63,9 @@ def test_rows_for_every_job_and_the_gpu(copies2):
         assert len(e["plan_versions"]) == e["replans"] + 1
         assert e["msr_alloc"] is None and e["peak_alloc_tensile_mb"] is None  # no GPU
         assert e["bytes_swapped"] >= 0 and e["passive_swapins"] >= 0
+        # what the job's last plan assumed; its timed steps (the first measured one) timed
+        assert e["plan_iteration_ms"] > 0 and e["timed_steps"] >= 1
+        assert e["stall_ms_per_timed_step"] is not None
     gpu = rows["GPU"]["extra"]
     assert gpu["memory_source"] == "rss" and "RSS" in gpu["memory_note"]
     assert isinstance(gpu["msr_nvml"], float)
