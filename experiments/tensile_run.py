@@ -41,7 +41,7 @@ from experiments.store import ResultStore, row_key
 from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
-from tensile.api import SchedulerReport
+from tensile.api import SchedulerReport, gb_per_s
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,6 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
         # d2h_gbps/h2d_gbps, the bandwidths the planner was given): where hidden copies stop hiding
         **SchedulerReport(**after).plan_check(),
     }
-
-
-def _gbps(rate: float | None) -> float | None:
-    return None if rate is None else round(rate / 1e9, 2)
 
 
 # --------------------------------------------------------------------------- one method
@@ -468,7 +464,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
         if (name in SCHEDULED or name == "tensile_graph") and rates:  # the planner's machine
-            extra.update(d2h_gbps=_gbps(rates["d2h_bw"]), h2d_gbps=_gbps(rates["h2d_bw"]),
+            extra.update(d2h_gbps=gb_per_s(rates["d2h_bw"]), h2d_gbps=gb_per_s(rates["h2d_bw"]),
                          peak_tflops=round(rates["peak_flops"] / 1e12, 1))
         if name == "vanilla":
             ref = fields

@@ -46,7 +46,12 @@ from .runtime import PlanRunner, RuntimeStats, bytes_per_s
 from .step import training_step
 from .timeline import AccessTimeline
 
-__all__ = ["Scheduler", "SchedulerReport", "resolve_budget"]
+__all__ = ["Scheduler", "SchedulerReport", "resolve_budget", "gb_per_s"]
+
+
+def gb_per_s(rate: float | None) -> float | None:
+    """Bytes per second as GB/s, to 2 decimals (None stays None)."""
+    return None if rate is None else round(rate / 1e9, 2)
 
 
 def _gbps(rate: float | None) -> str:
@@ -106,12 +111,9 @@ class SchedulerReport:
         """What the plan assumed beside what its timed steps measured: the iteration it
         was made for (ms), the copies' bandwidths (GB/s, None before a timed step with
         copies) and the compute stream's wait for copy-ins per timed step (ms)."""
-        def gbps(nbytes: int, ms: float) -> float | None:
-            rate = bytes_per_s(nbytes, ms)
-            return None if rate is None else round(rate / 1e9, 2)
         return {"plan_iteration_ms": self.plan_iteration_ms, "timed_steps": self.timed_steps,
-                "d2h_gbps_measured": gbps(self.timed_d2h_bytes, self.timed_d2h_ms),
-                "h2d_gbps_measured": gbps(self.timed_h2d_bytes, self.timed_h2d_ms),
+                "d2h_gbps_measured": gb_per_s(bytes_per_s(self.timed_d2h_bytes, self.timed_d2h_ms)),
+                "h2d_gbps_measured": gb_per_s(bytes_per_s(self.timed_h2d_bytes, self.timed_h2d_ms)),
                 "stall_ms_per_timed_step": (self.stall_ms / self.timed_steps
                                             if self.timed_steps else None)}
 
