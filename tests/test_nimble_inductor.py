@@ -77,6 +77,26 @@ def test_matches_eager_on_cpu_and_checks_calls():
         InductorNimble(Branchy()).prepare(x)
 
 
+def test_small_segments_run_as_traced_and_the_rest_is_compiled():
+    """Segments under min_segment_ops ops have nothing to fuse: they run their ATen ops as
+    traced (fewer compiles: half of NASNet-A mobile's segments hold one op), same results."""
+    torch.manual_seed(0)
+    m = Branchy().eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = m(x)
+    counts = {}
+    for k in (1, 2, 1000):
+        fast = InductorNimble(m).prepare(x, backend="aot_eager", min_segment_ops=k)
+        counts[k] = fast.stats["compiled_segments"]
+        torch.testing.assert_close(fast(x), ref)
+    assert counts[1] == fast.stats["segments"] == 5 and counts[1000] == 0
+    assert 0 < counts[2] <= counts[1]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="min_segment_ops: expected a positive int"):
+            InductorNimble(m).prepare(x, backend="aot_eager", min_segment_ops=bad)
+
+
 @pytest.mark.slow
 def test_a_real_multi_branch_model_runs_segment_by_segment_like_eager():
     """GoogLeNet: 4 streams, 46 segments; aot_eager compiles fast and keeps ATen's numerics."""
