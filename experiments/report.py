@@ -414,6 +414,19 @@ def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=PLAN_CHECK_COLUMNS)
 
 
+def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
+    """``metrics`` with every captured TENSILE row (``tensile_graph(...)``) judged against
+    the captured vanilla step: its MSR/EOR become ``msr_vs_graph``/``eor_vs_graph`` (empty
+    without a ``graph`` row) and its method reads "... vs graph"."""
+    m = metrics.copy()
+    captured = m["method"].str.match(r"tensile_graph($|\()").to_numpy()
+    for col in ("msr", "eor"):
+        m[col] = np.where(captured, pd.to_numeric(m[f"{col}_vs_graph"], errors="coerce"),
+                          pd.to_numeric(m[col], errors="coerce"))
+    m["method"] = np.where(captured, m["method"] + " vs graph", m["method"])
+    return m
+
+
 def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     """Per paper model: our TENSILE MSR/EOR at the paper's batch beside the authors', the
     verdict (MSR at least theirs and EOR at most half theirs), and the throughput ratio over
@@ -424,18 +437,15 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
                        & (metrics["mode"] == "whole-step")]
         # TENSILE's variants: tensile, tensile(max_overhead=...) against eager vanilla, and
         # tensile_graph(...) against the captured vanilla step (the same mode: host out of both)
-        eager = mine[mine["method"].str.match(r"tensile($|\()")]
-        captured = mine[mine["method"].str.match(r"tensile_graph($|\()")].assign(
-            msr=lambda d: d["msr_vs_graph"], eor=lambda d: d["eor_vs_graph"],
-            method=lambda d: d["method"] + " vs graph")
-        ours = pd.concat([eager, captured])
-        ours = ours[ours["msr"].notna() & ours["eor"].notna()]
+        ours = _captured_against_graph(mine)
+        ours = ours[ours["method"].str.match(r"tensile($|\()|tensile_graph")
+                    & ours["msr"].notna() & ours["eor"].notna()]
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
                 "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
                 "verdict": "not measured", "vs best built-in": ""}
         if len(ours):
-            # TENSILE's variants (tensile, tensile(max_overhead=...)): one that meets the
-            # target if any, else the one that saves the most memory
+            # of TENSILE's variants, one that meets the target if any, else the one that
+            # saves the most memory
             meets = (ours["msr"] >= p["msr"]) & (ours["eor"] <= p["eor"] / 2)
             t = (ours[meets] if meets.any() else ours).sort_values("msr").iloc[-1]
             line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
@@ -615,12 +625,7 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
     (EOR) for every method, the TENSILE authors' point, and the target region (MSR at least
     theirs, EOR at most half of theirs) shaded. A captured TENSILE step is placed by its
     figures against the captured vanilla step."""
-    m = metrics[(metrics["mode"] == "whole-step") & (metrics["batch_size"] == 16)].copy()
-    captured = (m["method"].str.match(r"tensile_graph($|\()") & m["msr_vs_graph"].notna()).to_numpy()
-    for col in ("msr", "eor"):
-        m[col] = np.where(captured, pd.to_numeric(m[f"{col}_vs_graph"], errors="coerce"),
-                          pd.to_numeric(m[col], errors="coerce"))
-    m["method"] = np.where(captured, m["method"] + " vs graph", m["method"])
+    m = _captured_against_graph(metrics[(metrics["mode"] == "whole-step") & (metrics["batch_size"] == 16)])
     m = m[m["msr"].notna() & m["eor"].notna() & ~m["method"].isin(["vanilla", "graph"])]  # references
     if m.empty:
         return None
