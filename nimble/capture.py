@@ -267,8 +267,7 @@ class Nimble:
         if memory_limit is not None and not memory_limit > 0:
             raise NimbleError(f"memory_limit must be a positive multiple of eager's peak, "
                               f"got {memory_limit!r}")
-        if use_multi_stream not in (True, False, "auto"):
-            raise NimbleError(f"use_multi_stream must be True, False or 'auto', got {use_multi_stream!r}")
+        check_stream_choice(use_multi_stream)
         if use_multi_stream == "auto" and training:
             raise NimbleError("use_multi_stream='auto' times whole graphs: for training it is an "
                               "option of prepare_step (the whole step), not of prepare(training=True)")
@@ -359,8 +358,7 @@ class Nimble:
         """
         streams = self.plan.num_streams
         if streams == 1:
-            self.stats.notes.append("use_multi_stream='auto': the plan has one stream; "
-                                    "nothing to compare")
+            self.stats.notes.append(AUTO_ONE_STREAM_NOTE)
             return
         multi = {a: getattr(self, a) for a in self._CAPTURE_STATE}
         multi_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
@@ -370,19 +368,16 @@ class Nimble:
         single = {a: getattr(self, a) for a in self._CAPTURE_STATE}
         first = replay_ms(multi["_cuda_graph"], 1)
         replays = int(min(20, max(3, budget_s / (2 * rounds * max(first, 1e-3) / 1e3))))
-        medians = median_replay_ms({"multi": multi["_cuda_graph"], "single": single["_cuda_graph"]},
-                                   rounds, replays)
-        t_multi, t_single = medians["multi"], medians["single"]
-        note = (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
-                f"{t_single:.3f} ms (median of {rounds} x {replays} replays)")
-        if t_multi < t_single:
+        keep, note = compare_streams(multi["_cuda_graph"], single["_cuda_graph"], streams,
+                                     rounds, replays)
+        if keep:
             for a, v in multi.items():
                 setattr(self, a, v)
             for a, v in multi_stats.items():
                 setattr(self.stats, a, v)
-            self._use_multi_stream, loser, note = True, single, note + ": kept the streams"
+            self._use_multi_stream, loser = True, single
         else:
-            loser, note = multi, note + ": kept one stream"
+            loser = multi
         reset = getattr(loser["_cuda_graph"], "reset", None)
         if reset is not None:
             reset()                            # its memory pool goes back to the allocator
@@ -435,8 +430,7 @@ class Nimble:
         """
         from .training import WholeStep, faster_whole_step
 
-        if use_multi_stream not in (True, False, "auto"):
-            raise NimbleError(f"use_multi_stream must be True, False or 'auto', got {use_multi_stream!r}")
+        check_stream_choice(use_multi_stream)
         start = time.perf_counter()
         inputs = self._check_prepare_args(dummy_input, training=True)
         if not isinstance(dummy_target, torch.Tensor) or not dummy_target.is_cuda:
@@ -598,7 +592,7 @@ class Nimble:
             raise NimbleError("call prepare(example_input) before calling the Nimble object")
         if len(inputs) == 1 and isinstance(inputs[0], (tuple, list)):
             inputs = tuple(inputs[0])
-        self._check_call(inputs)
+        check_call_inputs(self._static_inputs, inputs)
         if self._training is not None:
             return self._training(inputs)
         for static, x in zip(self._static_inputs, inputs):
@@ -609,9 +603,6 @@ class Nimble:
         if self._return_copies:
             outs = [t.clone() for t in outs]
         return tree_unflatten(outs, self._out_spec)
-
-    def _check_call(self, inputs: Sequence[Any]) -> None:
-        check_call_inputs(self._static_inputs, inputs)
 
     def replay(self) -> None:
         """Launch the graph on the current stream without touching the inputs (benchmarks)."""
@@ -675,14 +666,31 @@ def replay_ms(graph, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def median_replay_ms(graphs: dict[str, Any], rounds: int, replays: int) -> dict[str, float]:
-    """Each graph replayed in turns, ``rounds`` times ``replays`` replays: the median of its
-    per-round means (taking turns spreads a slow spell of the GPU over all of them)."""
-    times: dict[str, list[float]] = {name: [] for name in graphs}
+AUTO_ONE_STREAM_NOTE = "use_multi_stream='auto': the plan has one stream; nothing to compare"
+
+
+def check_stream_choice(use_multi_stream: Any) -> None:
+    """``prepare`` / ``prepare_step`` take ``use_multi_stream`` True, False or "auto"."""
+    if use_multi_stream not in (True, False, "auto"):
+        raise NimbleError(f"use_multi_stream must be True, False or 'auto', got {use_multi_stream!r}")
+
+
+def compare_streams(multi, single, streams: int, rounds: int, replays: int,
+                    per: str = "") -> tuple[bool, str]:
+    """``use_multi_stream="auto"``'s decision: the ``streams``-stream graph and the one-stream
+    graph replay in turns, ``rounds`` times ``replays`` replays (taking turns spreads a slow
+    spell of the GPU over both), and the median of each one's per-round means decides.
+    Returns whether the streams are faster, and the note for ``stats`` that gives both times
+    (``per``: e.g. " per step")."""
+    times: dict[str, list[float]] = {"multi": [], "single": []}
     for _ in range(rounds):
-        for name, graph in graphs.items():
+        for name, graph in (("multi", multi), ("single", single)):
             times[name].append(replay_ms(graph, replays))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    t_multi, t_single = (sorted(t)[len(t) // 2] for t in (times["multi"], times["single"]))
+    keep = t_multi < t_single
+    return keep, (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
+                  f"{t_single:.3f} ms{per} (median of {rounds} x {replays} replays): "
+                  + ("kept the streams" if keep else "kept one stream"))
 
 
 def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:

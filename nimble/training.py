@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, measure_eager_peak
 from .graph import TaskGraph
-from .capture import check_call_inputs, median_replay_ms
+from .capture import AUTO_ONE_STREAM_NOTE, check_call_inputs, compare_streams
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
 __all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward",
@@ -437,7 +437,7 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     multi = WholeStep(nimble, inputs, target, loss_fn, optimizer)
     streams = nimble.plan.num_streams
     if streams == 1:
-        nimble.stats.notes.append("use_multi_stream='auto': the plan has one stream; nothing to compare")
+        nimble.stats.notes.append(AUTO_ONE_STREAM_NOTE)
         return multi
     kept = {"stats": nimble.stats, "graph": nimble.graph, "plan": nimble.plan,
             "streams": nimble._streams, "grads": [p.grad for p in params]}
@@ -449,22 +449,19 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
 
     saved = save_step_state(nimble.module, optimizer)
     rng = torch.cuda.get_rng_state()
-    medians = median_replay_ms({"multi": multi.graph, "single": single.graph}, rounds, replays)
+    keep, note = compare_streams(multi.graph, single.graph, streams, rounds, replays, " per step")
     torch.cuda.synchronize()
     put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
     torch.cuda.set_rng_state(rng)
 
-    t_multi, t_single = medians["multi"], medians["single"]
-    note = (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
-            f"{t_single:.3f} ms per step (median of {rounds} x {replays} replays)")
-    if t_multi < t_single:
+    if keep:
         nimble.stats, nimble.graph, nimble.plan = kept["stats"], kept["graph"], kept["plan"]
         nimble._streams = kept["streams"]
         for p, g in zip(params, kept["grads"]):   # the multi-stream graph's gradient buffers
             p.grad = g
-        winner, loser, note = multi, single, note + ": kept the streams"
+        winner, loser = multi, single
     else:
-        winner, loser, note = single, multi, note + ": kept one stream"
+        winner, loser = single, multi
     loser.graph.reset()   # its memory pool goes back to the allocator
     nimble.stats.notes.append(note)
     return winner
