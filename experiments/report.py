@@ -371,13 +371,18 @@ TENSILE_METRICS = ("msr", "msr_reserved", "eor", "cbr", "passive_share", "planne
                    "msr_vs_graph", "eor_vs_graph")
 
 
+def _tensile_rows(df: pd.DataFrame):
+    """Each full-protocol ok TENSILE-experiment row, with its ``extra`` JSON as a dict."""
+    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
+    for _, r in rows.iterrows():
+        yield r, json.loads(r["extra"]) if r["extra"] else {}
+
+
 def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
     """One line per full-protocol ok TENSILE-experiment row: model, batch, mode, method and
     the MSR / EOR / CBR / passive-share figures from its ``extra`` JSON."""
-    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
     out = []
-    for _, r in rows.iterrows():
-        extra = json.loads(r["extra"]) if r["extra"] else {}
+    for r, extra in _tensile_rows(df):
         out.append({"model": r["model"], "batch_size": r["batch_size"], "mode": r["mode"],
                     "method": r["backend"], "mean_ms": r["mean_ms"], "peak_mem_mb": r["peak_mem_mb"],
                     **{k: extra.get(k) for k in TENSILE_METRICS}})
@@ -399,10 +404,8 @@ def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
     A plan hides a copy only if the channel moves it within the op times the plan
     assumed; a measured bandwidth below the planned one, or stalls, say why it did not.
     """
-    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
     out = []
-    for _, r in rows.iterrows():
-        extra = json.loads(r["extra"]) if r["extra"] else {}
+    for r, extra in _tensile_rows(df):
         if extra.get("plan_iteration_ms") is None:
             continue
         moved = extra.get("bytes_moved_per_step")
