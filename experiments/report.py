@@ -695,7 +695,6 @@ def _short_setting(setting: str) -> str:
     return f"{kind} ({n} models{', ' + knob if knob else ''})"
 
 
-
 def plot_stream_timeline(trace_json_path: str | Path, out_png: str | Path | None = None) -> Figure:
     """Per-stream timeline (Gantt) of the GPU events of a torch.profiler chrome trace.
 
