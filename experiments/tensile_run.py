@@ -56,6 +56,7 @@ EMULATED_HEADROOM = 0.9
 SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
 GRAPHED = ("graph", "tensile_graph")  # one CUDA graph per step: capturable optimizer, CUDA only
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
+RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -201,6 +202,7 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in ("steps", "swap_ins", "passive_swap_ins", "recomputes",
                                            "bytes_d2h", "bytes_h2d", "ineffective_releases")}
     steps = d["steps"] or 1
+    report = SchedulerReport(**after)
     return {
         "passive_share": d["passive_swap_ins"] / d["swap_ins"] if d["swap_ins"] else None,
         "bytes_moved_per_step": (d["bytes_d2h"] + d["bytes_h2d"]) / steps,
@@ -209,17 +211,12 @@ def _scheduler_metrics(before: dict, after: dict) -> dict:
         "ineffective_releases": d["ineffective_releases"],
         "planner_ms": after["planner_ms_total"], "planner_ms_last": after["planner_ms_last"],
         "replans": after["replans"], "drift_events": after["drift_events"],
-        "swaps_planned": after["swaps_planned"], "recomputes_planned": after["recomputes_planned"],
-        "planned_peak_vanilla_mb": after["peak_before"] / MB,
-        "planned_peak_mb": after["peak_after"] / MB,
-        "msr_planned": 1 - after["peak_after"] / after["peak_before"] if after["peak_before"] else None,
-        "plan_feasible": after["feasible"], "plan_overhead_ms": after["est_overhead_ms"],
-        "budget_mb": None if after["budget_bytes"] is None else after["budget_bytes"] / MB,
+        **report.plan_figures(),
         "host_pool_mb": after["host_pool_bytes"] / MB,
         "stall_ms": after["stall_ms"] - before["stall_ms"],   # timed (measuring) steps only
         # the plan's assumptions against every timed step so far, warm-up included (beside
         # d2h_gbps/h2d_gbps, the bandwidths the planner was given): where hidden copies stop hiding
-        **SchedulerReport(**after).plan_check(),
+        **report.plan_check(),
     }
 
 
@@ -346,7 +343,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
         return {"layers_per_block": exp.layers_per_block}
     if name == "compile_budget":
         return {"activation_memory_budget": float(exp.activation_memory_budget)}
-    if name in SCHEDULED or name == "tensile_graph":
+    if name in RATED:
         opts: dict[str, Any] = {"simulate": device != "cuda", **rates}
         if name == "capuchin" and budget is None:
             if tensile_peak is None:
@@ -441,7 +438,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     rows: list[dict] = []
     ref: dict | None = None
     tensile_peak: int | None = None
-    rates = machine_rates(device) if set(order) & {*SCHEDULED, "tensile_graph"} else {}
+    rates = machine_rates(device) if set(order) & set(RATED) else {}
     graph_row: dict | None = None   # the captured vanilla step: tensile_graph's own reference
     for name in order:
         _release(device)
@@ -463,7 +460,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         extra = fields.setdefault("extra", {})
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
-        if (name in SCHEDULED or name == "tensile_graph") and rates:  # the planner's machine
+        if name in RATED and rates:   # what the planner believed about the machine
             extra.update(d2h_gbps=gb_per_s(rates["d2h_bw"]), h2d_gbps=gb_per_s(rates["h2d_bw"]),
                          peak_tflops=round(rates["peak_flops"] / 1e12, 1))
         if name == "vanilla":

@@ -107,6 +107,18 @@ class SchedulerReport:
     plan_reason: str | None = None    # why the scheduler made it
     plans_received: int = 0           # plan switches ordered by the scheduler
 
+    def plan_figures(self) -> dict:
+        """The current plan as the result rows give it (MiB, ms): planned swaps and
+        recomputes, the planned peaks without and with the plan, the planned MSR, whether
+        it is feasible, its estimated extra time and the budget."""
+        mib = 2**20
+        return {"swaps_planned": self.swaps_planned, "recomputes_planned": self.recomputes_planned,
+                "planned_peak_vanilla_mb": self.peak_before / mib,
+                "planned_peak_mb": self.peak_after / mib,
+                "msr_planned": 1 - self.peak_after / self.peak_before if self.peak_before else None,
+                "plan_feasible": self.feasible, "plan_overhead_ms": self.est_overhead_ms,
+                "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib}
+
     def plan_check(self) -> dict:
         """What the plan assumed beside what its timed steps measured: the iteration it
         was made for (ms), the copies' bandwidths (GB/s, None before a timed step with

@@ -269,18 +269,12 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
     for _ in range(2):  # the optimizer's state, then op times measured and a re-plan
         sched.step(*example_batch)
     graph = sched.capture(*example_batch)
-    plan = sched.plan
+    report = sched.report()   # the captured plan's (the graph keeps it: no later re-plan)
 
     def stats() -> dict:
-        return {**_graph_stats(graph), "swaps_planned": len(plan.swaps),
-                "recomputes_planned": len(plan.recomputes),
-                "planned_peak_vanilla_mb": plan.peak_before / 2**20,
-                "planned_peak_mb": plan.peak_after / 2**20,
-                "msr_planned": 1 - plan.peak_after / plan.peak_before if plan.peak_before else None,
-                "plan_feasible": plan.feasible, "plan_overhead_ms": plan.est_overhead_ms,
-                "plan_iteration_ms": plan.iteration_ms,
+        return {**_graph_stats(graph), **report.plan_figures(), **report.plan_check(),
                 # every replay repeats the captured step's copies: the plan's
-                "bytes_moved_per_step": plan.bytes_moved}
+                "bytes_moved_per_step": sched.plan.bytes_moved}
     return StepFn("tensile_graph", lambda b: graph(*b), stats)
 
 
