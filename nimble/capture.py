@@ -351,8 +351,8 @@ class Nimble:
 
         Why: streams pay only where independent work outweighs the events that order it.
         On the H200 at batch 32, in the same process, ResNet-101 ran 0.2-0.6 % and
-        ResNet-50 0.1 % slower on their two-stream plans than on one stream (three runs
-        each). Both graphs replay in turns,
+        ResNet-50 0.1 % slower on their two-stream plans than on one stream (three and two
+        runs). Both graphs replay in turns,
         ``rounds`` times, as many replays each as fit ``budget_s`` in all (3 to 20); the
         median per graph decides. An inference replay changes nothing but the outputs, so
         nothing needs putting back; the loser's graph and its memory pool are released.
