@@ -129,7 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="this checkout's results folder (default: %(default)s)")
     ap.add_argument("--dry-run", action="store_true", help="only say what would be appended")
     args = ap.parse_args(argv)
-    print(merge_results(args.source, args.into, args.dry_run))
+    try:
+        print(merge_results(args.source, args.into, args.dry_run))
+    except (ValueError, FileExistsError) as e:   # nothing to merge, or files that must not mix
+        ap.error(str(e))
     return 0
 
 

@@ -41,9 +41,12 @@ def test_rows_missing_here_are_appended_once_and_side_files_copied(tmp_path, cap
     assert again.appended == {"h200/inference.csv": 0} and again.copied == []
 
 
-def test_what_cannot_be_merged_is_refused(tmp_path):
+def test_what_cannot_be_merged_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="expected result files <gpu>/<name>.csv under it, found none"):
         merge.merge_results(tmp_path / "empty", tmp_path / "dest")
+    with pytest.raises(SystemExit):            # the command line says it in one line, no traceback
+        merge.main([str(tmp_path / "empty"), "--into", str(tmp_path / "dest")])
+    assert "found none" in capsys.readouterr().err
     src = tmp_path / "src"
     (src / "h200").mkdir(parents=True)
     (src / "h200" / "inference.csv").write_text("model,ms\nresnet50,1.0\n")
