@@ -10,9 +10,13 @@ are never edited: a row already present (every column equal) is skipped, every o
 is appended as it was written (measurement rows through :class:`experiments.store.ResultStore`;
 tables of their own, like the headroom's, line for line). Two files of one name with
 different column lists are refused, never mixed. Side files that experiments write next
-to the rows (TENSILE's several-jobs timelines and their plots) are copied when absent and
-refused when a different file of that name exists. Reports, other plots and traces are
-not copied: rebuild the report here afterwards (``python -m experiments.report``).
+to the rows (TENSILE's several-jobs timelines and their plots) are copied when absent. When a
+different file of that name is here already (the same setting measured in another run, by
+code that named these files per setting only), the incoming one is copied under its name plus
+the date of the row that names it (``..._20261130T042653.png``), and the rows' file reference
+(``extra.timeline_csv`` / ``extra.plot_png``, never a measured value) names the new file. A
+differing file that no row names is refused. Reports, other plots and traces are not copied:
+rebuild the report here afterwards (``python -m experiments.report``).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import argparse
 import csv
 import filecmp
 import fnmatch
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 # memory timelines and their plots (drawn at run time from samples that only the timeline
 # keeps). Every other CSV there holds rows.
 SIDE_FILES = ("tensile_multi_timeline_*.csv", "tensile_multi_*.png")
+# The keys of a row's ``extra`` that name its side files.
+SIDE_FILE_KEYS = ("timeline_csv", "plot_png")
 
 
 @dataclass
@@ -43,11 +50,14 @@ class MergeReport:
     appended: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     copied: list[str] = field(default_factory=list)
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"{name}: {n} row(s) appended, {self.skipped.get(name, 0)} already there"
                  for name, n in sorted(self.appended.items())]
-        lines += [f"{name}: copied" for name in self.copied]
+        lines += [f"{name}: copied" + (f" as {self.renamed[name]} (a different file of that name "
+                                       "is here)" if name in self.renamed else "")
+                  for name in self.copied]
         return "\n".join(lines) or "nothing to merge"
 
 
@@ -62,14 +72,18 @@ def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeRepor
     if not any(p.suffix == ".csv" for p in files):
         raise ValueError(f"{source}: expected result files <gpu>/<name>.csv under it, found none")
     report = MergeReport()
+    # Side files first: a side file copied under a new name changes the rows that name it.
+    renames: dict[Path, dict[str, str]] = {}        # per <gpu> folder: old name -> new name
     for path in files:
+        if any(fnmatch.fnmatch(path.name, pattern) for pattern in SIDE_FILES):
+            new_name = _copy_side_file(path, dest / path.relative_to(source), source, report, dry_run)
+            if new_name != path.name:
+                renames.setdefault(path.parent, {})[path.name] = new_name
+    for path in files:
+        if path.suffix != ".csv" or any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILES):
+            continue   # report, plots and traces: the report is rebuilt here
         rel = path.relative_to(source)
         target = dest / rel
-        if any(fnmatch.fnmatch(path.name, pattern) for pattern in SIDE_FILES):
-            _copy_side_file(path, target, rel, report, dry_run)
-            continue
-        if path.suffix != ".csv":
-            continue   # report, plots and traces: the report is rebuilt here
         header, target_header = _header(path), _header(target)
         if target_header is not None and header != target_header:
             raise ValueError(f"{path} has columns {header}, but {target} has {target_header}: "
@@ -77,6 +91,7 @@ def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeRepor
         rows = read_rows(path)
         have = {tuple(r.values()) for r in read_rows(target)}
         if header == COLUMNS:   # measurement rows: through the store (normalised, locked)
+            rows = [_renamed_side_files(r, renames.get(path.parent, {})) for r in rows]
             new = [r for r in rows if tuple(make_row(**r).values()) not in have]
         else:                   # an experiment's own table (the headroom's): line for line
             new = [r for r in rows if tuple(r.values()) not in have]
@@ -110,16 +125,51 @@ def _append_plain(target: Path, header: list[str], rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def _copy_side_file(path: Path, target: Path, rel: Path, report: MergeReport, dry_run: bool) -> None:
+def _copy_side_file(path: Path, target: Path, source: Path, report: MergeReport,
+                    dry_run: bool) -> str:
+    """Copy one side file unless an identical one is here; returns the name it has here."""
+    rel = str(path.relative_to(source))
+    if target.exists() and not filecmp.cmp(path, target, shallow=False):
+        stamp = _date_of_row_naming(path)
+        if stamp is None:
+            raise FileExistsError(f"{target} exists and differs from {path}, and no row there "
+                                  "names it: raw files are never overwritten; move one aside")
+        target = target.with_name(f"{target.stem}_{stamp}{target.suffix}")
+        if target.exists() and not filecmp.cmp(path, target, shallow=False):
+            raise FileExistsError(f"{target} exists and differs from {path}: raw files are "
+                                  "never overwritten; move one aside")
+        report.renamed[rel] = target.name
     if target.exists():
-        if not filecmp.cmp(path, target, shallow=False):
-            raise FileExistsError(f"{target} exists and differs from {path}: raw files are never "
-                                  "overwritten; move one aside")
-        return
-    report.copied.append(str(rel))
+        return target.name             # merged before
+    report.copied.append(rel)
     if not dry_run:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
+    return target.name
+
+
+def _date_of_row_naming(side_file: Path) -> str | None:
+    """``YYYYMMDDTHHMMSS`` of the (last) row beside ``side_file`` whose extra names it."""
+    stamp = None
+    for csv_path in sorted(side_file.parent.glob("*.csv")):
+        if _header(csv_path) != COLUMNS:
+            continue
+        for row in read_rows(csv_path):
+            extra = json.loads(row["extra"]) if row.get("extra") else {}
+            if side_file.name in (extra.get(k) for k in SIDE_FILE_KEYS):
+                stamp = "".join(c for c in row["date"][:19] if c.isalnum())
+    return stamp
+
+
+def _renamed_side_files(row: dict, renames: dict[str, str]) -> dict:
+    """``row`` with its extra's side-file names replaced by the names they were copied as."""
+    if not renames or not row.get("extra"):
+        return row
+    extra = json.loads(row["extra"])
+    if not any(extra.get(k) in renames for k in SIDE_FILE_KEYS):
+        return row
+    extra.update({k: renames[extra[k]] for k in SIDE_FILE_KEYS if extra.get(k) in renames})
+    return {**row, "extra": json.dumps(extra, sort_keys=True)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -471,13 +471,16 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
     """One line per setting of the several-jobs experiment (its ``GPU`` row): device-level MSR
     and EOR, re-plans, and means over its jobs of the allocator MSR, cold-start MSR and
     iterations to a steady state; for ``copies`` settings the authors' figures (``paper``:
-    ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse."""
+    ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse. A setting
+    measured in several runs shows its latest (the ``run`` column); earlier runs stay in the
+    CSV. A run's job rows carry its GPU row's date."""
     rows = df[df["experiment"] == "tensile_multi"]
+    gpu_rows = rows[rows["backend"] == "GPU"].sort_values("date")
     out = []
-    for _, g in rows[rows["backend"] == "GPU"].iterrows():
+    for _, g in gpu_rows.drop_duplicates(["mode", "batch_size", "smoke"], keep="last").iterrows():
         e = json.loads(g["extra"]) if g["extra"] else {}
         jobs = rows[(rows["mode"] == g["mode"]) & (rows["batch_size"] == g["batch_size"])
-                    & (rows["backend"] != "GPU")]
+                    & (rows["date"] == g["date"]) & (rows["backend"] != "GPU")]
         extras = [json.loads(x) if x else {} for x in jobs["extra"]]
 
         def mean(key: str) -> float | None:
@@ -486,6 +489,7 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
 
         msr, eor = e.get("msr_nvml"), e.get("eor")
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
+                "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
                 "allocator share": _allocator_share(e, extras),
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
@@ -874,14 +878,16 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     if (df["experiment"] == "tensile_multi").any():
         table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"))
+        plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", "",
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
                "left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
                "used memory: the part any plan can act on (the rest is each process's CUDA context, "
                "kernels and library handles), so MSR (NVML) ≤ allocator share; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
-               "columns are means over the setting's jobs (allocator peaks). `*` = smoke.", "",
+               "columns are means over the setting's jobs (allocator peaks); run = the setting's latest "
+               "run (earlier ones stay in tensile_multi.csv). `*` = smoke.", "",
                md_table(table), ""]
-        md += [f"![{p.name}]({p.name})" for p in sorted(gpu_dir.glob("tensile_multi_*.png"))] + [""]
+        md += [f"![{name}]({name})" for name in plots] + [""]
         figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)
 
     if headroom is not None:

@@ -34,8 +34,9 @@ NVML every ~20 ms (device from ``--gpu-index``, else the first entry of
 NVML number GPUs alike), with events when a job's process starts, when it arrives, when it
 is ready (on the device, registered) and when it exits. On CPU
 (no NVML) it samples the summed RSS of the job processes instead (``memory_source`` = ``rss``
-in the row). The timeline goes to ``<results_dir>/<gpu>/tensile_multi_timeline_<setting>.csv``
-and a plot of it to ``<results_dir>/<gpu>/tensile_multi_<setting>.png``.
+in the row). The timeline goes to ``<results_dir>/<gpu>/tensile_multi_timeline_<setting>_<date>.csv``
+and a plot of it to ``<results_dir>/<gpu>/tensile_multi_<setting>_<date>.png`` (``<date>``: the
+rows' date, YYYYMMDDTHHMMSS, so a later run of a setting keeps the earlier files).
 
 Rows (``<results_dir>/<gpu>/tensile_multi.csv``, :mod:`experiments.store`): one per job per
 setting (``backend`` = the job id) and one per setting with ``backend`` = ``GPU``. ``mode`` is
@@ -947,11 +948,13 @@ def run_setting(setting: Setting, opts: Options, probe: dict, store: ResultStore
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = store.path.parent
-    files = {"timeline_csv": f"tensile_multi_timeline_{_slug(setting.label)}.csv",
-             "plot_png": f"tensile_multi_{_slug(setting.label)}.png"}
+    env = _row_env(probe)
+    # Named per setting and run (the rows' date): a later run of the setting keeps this one's.
+    stamp = "".join(c for c in env["date"][:19] if c.isalnum())
+    files = {"timeline_csv": f"tensile_multi_timeline_{_slug(setting.label)}_{stamp}.csv",
+             "plot_png": f"tensile_multi_{_slug(setting.label)}_{stamp}.png"}
     write_timeline(sampler.samples, out_dir / files["timeline_csv"])
     plot_timeline(sampler.samples, out_dir / files["plot_png"], setting.label, sampler.source)
-    env = _row_env(probe)
     common = {"experiment": EXPERIMENT, "mode": setting.label, "batch_size": opts.batch}
     rows = [store.append({**env, **common, **_job_row(setting, j, outs["vanilla"][j.job_id],
                                                      outs["tensile"][j.job_id], opts)})

@@ -1,6 +1,8 @@
 """experiments.merge: rows from another host's results folder, appended once, never edited."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from experiments import merge
@@ -56,8 +58,44 @@ def test_what_cannot_be_merged_is_refused(tmp_path, capsys):
     (src / "h200" / "inference.csv").unlink()
     (src / "h200" / "tensile_multi_timeline_x.csv").write_text("new\n")
     (tmp_path / "dest" / "h200" / "tensile_multi_timeline_x.csv").write_text("old\n")
-    with pytest.raises(FileExistsError, match="raw files are never overwritten"):
+    with pytest.raises(FileExistsError, match="no row there names it: raw files are never overwritten"):
         merge.merge_results(src, tmp_path / "dest")
+    assert (tmp_path / "dest" / "h200" / "tensile_multi_timeline_x.csv").read_text() == "old\n"
+
+
+def _multi_row(date: str, timeline: str, msr: float) -> dict:
+    return dict(experiment="tensile_multi", mode="copies_resnet50x1", model="resnet50",
+                backend="GPU", batch_size=2, status="ok", device="cuda", gpu="NVIDIA H200",
+                date=date, extra={"timeline_csv": timeline, "plot_png": "tensile_multi_x.png",
+                                  "msr_nvml": msr})
+
+
+def test_a_side_file_of_another_run_is_kept_under_its_rows_date(tmp_path, capsys):
+    """Files named per setting only (before 2026-11-30): a re-run's timeline differs from the
+    one here. Both stay; the incoming rows name the incoming files under their new names."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    ResultStore(dest / "h200" / "tensile_multi.csv").append(
+        _multi_row("2026-11-28T10:00:00+00:00", "tensile_multi_timeline_x.csv", 0.1))
+    (dest / "h200" / "tensile_multi_timeline_x.csv").write_text("old\n")
+    (dest / "h200" / "tensile_multi_x.png").write_bytes(b"old plot")
+    ResultStore(src / "h200" / "tensile_multi.csv").append(
+        _multi_row("2026-11-30T04:26:53+00:00", "tensile_multi_timeline_x.csv", 0.2))
+    (src / "h200" / "tensile_multi_timeline_x.csv").write_text("new\n")
+    (src / "h200" / "tensile_multi_x.png").write_bytes(b"new plot")
+
+    assert merge.main([str(src), "--into", str(dest)]) == 0
+    assert "h200/tensile_multi_x.png: copied as tensile_multi_x_20261130T042653.png" in capsys.readouterr().out
+    h200 = dest / "h200"
+    assert (h200 / "tensile_multi_timeline_x.csv").read_text() == "old\n"          # kept
+    assert (h200 / "tensile_multi_timeline_x_20261130T042653.csv").read_text() == "new\n"
+    assert (h200 / "tensile_multi_x_20261130T042653.png").read_bytes() == b"new plot"
+    old, new = (json.loads(r["extra"]) for r in read_rows(h200 / "tensile_multi.csv"))
+    assert old["timeline_csv"] == "tensile_multi_timeline_x.csv"                    # untouched
+    assert (new["timeline_csv"], new["plot_png"], new["msr_nvml"]) == (
+        "tensile_multi_timeline_x_20261130T042653.csv", "tensile_multi_x_20261130T042653.png", 0.2)
+
+    again = merge.merge_results(src, dest)                     # idempotent: nothing new
+    assert again.appended == {"h200/tensile_multi.csv": 0} and again.copied == []
 
 
 def test_an_experiments_own_table_is_merged_line_for_line(tmp_path):

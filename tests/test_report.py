@@ -357,6 +357,16 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
             "msr_alloc": 0.06, "peak_reserved_vanilla_mb": 600.0}})
     table = report.tensile_multi_table(report.load_rows(tmp_path / "h200")).set_index("setting")
     assert table.loc["copies:resnet50x2", "allocator share"] == pytest.approx(1200 / 3000)
+    # A later run of the setting is the one shown, with its own jobs only (matched by date).
+    later = {**common, "date": "2099-01-01T00:00:00+00:00"}
+    store.append({**later, "backend": "GPU", "extra": {
+        "msr_nvml": 0.1, "eor": 0.2, "scenario": "copies", "copies": 2, "plot_png": "p.png",
+        "peak_vanilla_mb": 3618.0, "idle_vanilla_mb": 618.0}})
+    store.append({**later, "backend": "resnet50-1", "extra": {"peak_reserved_vanilla_mb": 900.0}})
+    table = report.tensile_multi_table(report.load_rows(tmp_path / "h200"))
+    assert len(table) == 1 and table.loc[0, "MSR (NVML)"] == 0.1 and table.loc[0, "plot"] == "p.png"
+    assert table.loc[0, "run"] == "2099-01-01 00:00"
+    assert table.loc[0, "allocator share"] == pytest.approx(900 / 3000)
     assert report._allocator_share({"peak_vanilla_mb": 618.0, "idle_vanilla_mb": 618.0}, [{}]) is None
     assert report._allocator_share({"peak_vanilla_mb": 900.0, "idle_vanilla_mb": 600.0},
                                    [{"peak_reserved_vanilla_mb": None}]) is None

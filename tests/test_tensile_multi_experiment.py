@@ -74,8 +74,12 @@ def test_rows_for_every_job_and_the_gpu(copies2):
 
 def test_timeline_and_plot_with_arrivals_and_exits(copies2):
     out, _ = copies2
-    timeline = out / "cpu" / "tensile_multi_timeline_copies_mobilenet_v2x2_img_32.csv"
-    png = out / "cpu" / "tensile_multi_copies_mobilenet_v2x2_img_32.png"
+    gpu = next(r for r in _rows(out) if r["backend"] == "GPU")
+    stamp = "".join(c for c in gpu["date"][:19] if c.isalnum())    # the run's files: per date
+    assert gpu["extra"]["timeline_csv"] == f"tensile_multi_timeline_copies_mobilenet_v2x2_img_32_{stamp}.csv"
+    assert gpu["extra"]["plot_png"] == f"tensile_multi_copies_mobilenet_v2x2_img_32_{stamp}.png"
+    timeline = out / "cpu" / gpu["extra"]["timeline_csv"]
+    png = out / "cpu" / gpu["extra"]["plot_png"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(timeline, newline="") as f:
         reader = csv.DictReader(f)
@@ -151,7 +155,8 @@ def test_dynamic_arrivals_and_an_early_leaver(tmp_path):
     assert stayer["measured_iters_tensile"] >= 3          # trains on until the last one is done
     kinds = rows["GPU"]["extra"]["replan_kinds"]
     assert kinds["arrival"] == 2 and kinds["departure"] >= 1
-    timeline = tmp_path / "cpu" / "tensile_multi_timeline_dynamic_mobilenet_v2_mobilenet_v2_every_2_img_32.csv"
+    timeline = tmp_path / "cpu" / rows["GPU"]["extra"]["timeline_csv"]
+    assert timeline.name.startswith("tensile_multi_timeline_dynamic_mobilenet_v2_mobilenet_v2_every_2_img_32_")
     events = [e for p, e in _events(timeline) if p == "tensile"]
     # job 2 arrives only after job 1 is ready (and has trained 2 steps); job 1 outlives it
     assert events.index("ready mobilenet_v2-1") < events.index("arrive mobilenet_v2-2")
