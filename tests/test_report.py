@@ -327,6 +327,35 @@ def test_a_claim_says_when_its_baseline_ran_on_a_loaded_host(tmp_path):
     assert "loaded host" not in v["note"]
 
 
+def test_a_speedup_claim_is_reproduced_only_if_every_run_meets_it(tmp_path):
+    """Eager is CPU-bound: a run on a slow host makes every ratio over it large. Each run's
+    ratio uses its own eager; the latest run is shown, the verdict weighs them all."""
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", model="resnet50", batch_size=1,
+                  status="ok", device="cuda", gpu="NVIDIA H200", warmup=50, iters=200)
+    for run, date, eager_ms, nimble_ms in [("A", "2026-11-28T10:00:00+00:00", 4.0, 1.0),
+                                           ("B", "2026-11-29T10:00:00+00:00", 3.0, 1.0),
+                                           ("C", "2026-11-30T10:00:00+00:00", 8.0, 1.0)]:
+        store.append({**common, "date": date, "backend": "eager", "median_ms": eager_ms,
+                      "extra": {"run_id": run}})
+        store.append({**common, "date": date, "backend": "nimble", "median_ms": nimble_ms,
+                      "extra": {"run_id": run}})
+    df, runs = report.load_rows(tmp_path / "h200"), report.load_rows(tmp_path / "h200", every_run=True)
+    assert len(df) == 2 and len(runs) == 6
+    v = report.claim_verdicts(df, one_claim(value=3.5), runs).iloc[0]
+    assert v["ours"] == "8.00x" and v["verdict"] == "in 2 of 3 runs"
+    assert v["note"] == "eager 8.000 ms / nimble 1.000 ms; 3 runs: 3.00–8.00x, 2 meet it"
+    assert report.claim_verdicts(df, one_claim(value=3.0), runs).iloc[0]["verdict"] == "reproduced"
+    assert report.claim_verdicts(df, one_claim(value=9.0), runs).iloc[0]["verdict"] == "not reproduced"
+    assert report.claim_verdicts(df, one_claim(value=3.5)).iloc[0]["verdict"] == "reproduced"  # latest only
+    # A run without its own eager is left out, not divided by another run's eager.
+    store.append({**common, "date": "2026-12-01T10:00:00+00:00", "backend": "nimble",
+                  "median_ms": 0.5, "extra": {"run_id": "D"}})
+    runs = report.load_rows(tmp_path / "h200", every_run=True)
+    v = report.claim_verdicts(report.load_rows(tmp_path / "h200"), one_claim(value=3.5), runs).iloc[0]
+    assert v["ours"] == "8.00x" and "3 runs" in v["note"]
+
+
 def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     path = results / "h200" / "headroom.csv"
     rows = [dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,
