@@ -71,6 +71,9 @@ class GraphStep:
             current.wait_stream(side)
             torch.cuda.synchronize(device)
         put_back_step_state(model, optimizer, saved, [p.grad for p in model.parameters()])
+        # The saved copies (module and optimizer state) are not needed any more: freed
+        # before the capture, so the captured peak below is the step's own.
+        del saved
         torch.cuda.reset_peak_memory_stats(device)
         meter = GraphMemoryMeter()    # synchronises and empties the cache first
         self.graph = torch.cuda.CUDAGraph()

@@ -223,3 +223,27 @@ def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step()
     assert graph.peak_bytes < vanilla.peak_bytes
     for a, b in zip(states(m0, o0), states(m1, o1)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_captured_vanilla_peak_is_the_steps_own():
+    """The capture's peak is what every replay needs: eager's peak, not eager's plus the
+    copies of model and optimizer state taken to undo the warm-up (freed before capture)."""
+    data = batches(4, batch=64, hw=64)
+    model = make_cnn(width=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    training_step(model, opt, data[0], nn.functional.cross_entropy)   # Adam's state exists
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for b in data[1:]:
+        training_step(model, opt, b, nn.functional.cross_entropy)
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_allocated()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    batch_bytes = sum(t.numel() * t.element_size() for t in data[0])
+    graph = tensile.GraphStep(
+        lambda b, capturing: training_step(model, opt, b, nn.functional.cross_entropy),
+        data[0], model, opt)
+    print(f"eager peak {eager_peak / 2**20:.1f} MiB, captured {graph.peak_bytes / 2**20:.1f} MiB, "
+          f"parameters {param_bytes / 2**20:.1f} MiB")
+    # the saved copies alone would add 3x the parameters (weights, Adam's two moments)
+    assert graph.peak_bytes < eager_peak + param_bytes + batch_bytes
