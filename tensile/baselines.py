@@ -21,7 +21,8 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   (:mod:`tensile.policies`) on TENSILE's runtime;
 * ``graph``: the vanilla step captured into one CUDA graph (:mod:`tensile.graph`), and
   ``tensile_graph``: TENSILE's plan captured with it (two ordinary steps first: the
-  optimizer's state, then measured op times and a re-plan). Both need CUDA and a
+  optimizer's state, then measured op times and a re-plan; the capture then re-plans for
+  the captured vanilla step's replay time, see ``Scheduler.capture``). Both need CUDA and a
   capturable optimizer; they take the host out of the step, so what the plan costs is
   what it costs the GPU (``tensile_graph`` against ``graph``).
 
@@ -274,7 +275,9 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
     def stats() -> dict:
         return {**_graph_stats(graph), **report.plan_figures(), **report.plan_check(),
                 # every replay repeats the captured step's copies: the plan's
-                "bytes_moved_per_step": sched.plan.bytes_moved}
+                "bytes_moved_per_step": sched.plan.bytes_moved,
+                # the replay time of the captured vanilla step the plan was made for
+                "captured_vanilla_ms": sched.captured_vanilla_ms}
     return StepFn("tensile_graph", lambda b: graph(*b), stats)
 
 

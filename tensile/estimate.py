@@ -123,6 +123,17 @@ class DriftDetector:
         return True
 
 
+def scaled_op_times(shape_ms: Sequence[float], iteration_ms: float) -> list[float]:
+    """``shape_ms`` scaled to add up to ``iteration_ms``: op times for a step whose total was
+    measured but whose ops were not, like a captured CUDA graph's replay (one launch, no
+    per-op events). The shape should be the GPU's: the roofline estimates, not op times
+    measured in a host-bound eager step, whose gaps between kernels are host time."""
+    _check_times(shape_ms, "shape_ms")
+    _check_times([iteration_ms], "iteration_ms")
+    total = float(sum(shape_ms))
+    return [float(x) * iteration_ms / total for x in shape_ms]
+
+
 class OpTimeModel:
     """Per-op time estimates (ms) with EWMA updates and a drift test.
 
@@ -159,6 +170,17 @@ class OpTimeModel:
         self.reference_ms = None
         self._skip = 1  # the first iteration under a new plan grows the allocator: not typical
         self._drift = DriftDetector()  # times under the old plan say nothing about the new one
+
+    def reset(self, op_ms: Sequence[float]) -> None:
+        """Replace the estimates (e.g. with :func:`scaled_op_times` for a captured step);
+        their sum becomes the reference iteration time."""
+        if len(op_ms) != len(self.op_ms):
+            raise ValueError(f"expected {len(self.op_ms)} op times, got {len(op_ms)}")
+        _check_times(op_ms, "op_ms")
+        self.op_ms = [float(x) for x in op_ms]
+        self.reference_ms = float(sum(self.op_ms))
+        self._skip = 0
+        self._drift = DriftDetector()
 
     def drifted(self, measured_iter_ms: float, threshold: float = DRIFT_THRESHOLD) -> bool:
         """True when the recent iteration times drift more than 30 % from the reference.

@@ -16,6 +16,8 @@ RNG are put back afterwards, so the warm-up trains nothing), then one step insid
 freed during the capture serves later allocations of the same capture, so the pool is
 the captured step's peak. Inputs are copied into static tensors before every replay.
 
+``GraphStep.replay_ms()`` times the captured step (``Scheduler.capture`` plans for that time).
+
 Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
 optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
 overwritten by the next replay.
@@ -60,6 +62,7 @@ class GraphStep:
                 got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"batch element {i}: expected a tensor on {device}, got {got}")
         check_allocator(streams)
+        self.model, self.optimizer = model, optimizer
         self.static_batch = tuple(t.detach().clone() for t in batch)
         saved = save_step_state(model, optimizer)
         with torch.random.fork_rng(devices=[device]):
@@ -91,3 +94,26 @@ class GraphStep:
             static.copy_(x)
         self.graph.replay()
         return self.static_loss
+
+    def replay_ms(self, replays: int = 20) -> float:
+        """Median time in ms of one replay, over ``replays`` replays on the captured batch
+        (CUDA events). The replays train, so model, optimizer state and the CUDA RNG are
+        put back afterwards."""
+        if replays < 1:
+            raise ValueError(f"replays: expected at least 1, got {replays}")
+        device = self.static_loss.device
+        saved = save_step_state(self.model, self.optimizer)
+        rng = torch.cuda.get_rng_state(device)
+        stream = torch.cuda.current_stream(device)
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self.graph.replay()
+            end.record(stream)
+            times.append((start, end))
+        torch.cuda.synchronize(device)
+        ms = sorted(a.elapsed_time(b) for a, b in times)[len(times) // 2]
+        put_back_step_state(self.model, self.optimizer, saved, [p.grad for p in self.model.parameters()])
+        torch.cuda.set_rng_state(rng, device)
+        return float(ms)

@@ -7,7 +7,7 @@ import pytest
 
 from nimble.graph import OpNode, TaskGraph
 from tensile.estimate import (DRIFT_MIN_REPORTS, DRIFT_THRESHOLD, DRIFT_WINDOW, EWMA_NEW_WEIGHT,
-                              DriftDetector, OpTimeModel, estimate_op_times,
+                              DriftDetector, OpTimeModel, estimate_op_times, scaled_op_times,
                               measure_copy_bandwidth, measure_peak_rates)
 
 
@@ -135,3 +135,25 @@ def test_measured_rates_on_cpu_are_positive():
     flops, bw = measure_peak_rates("cpu", matmul_n=64, copy_mib=1, repeats=1)
     d2h, h2d = measure_copy_bandwidth("cpu", mib=1, repeats=1)
     assert flops > 0 and bw > 0 and d2h > 0 and h2d > 0
+
+
+def test_op_times_scaled_to_a_measured_iteration_keep_their_shape():
+    """A captured step is timed as a whole: the roofline's shape, scaled to its replay time."""
+    scaled = scaled_op_times([1.0, 3.0, 4.0], 4.0)
+    assert scaled == pytest.approx([0.5, 1.5, 2.0]) and sum(scaled) == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="iteration_ms"):
+        scaled_op_times([1.0, 3.0], float("nan"))
+    with pytest.raises(ValueError, match="shape_ms"):
+        scaled_op_times([1.0, -3.0], 4.0)
+
+
+def test_reset_op_times_become_the_reference_of_the_drift_test():
+    m = OpTimeModel([4.0, 6.0])
+    m.update([40.0, 60.0])                     # eager, host-bound: 10x longer
+    m.reset(scaled_op_times([1.0, 1.0], 2.0))  # the captured step: 2 ms
+    assert m.op_ms == [1.0, 1.0] and m.reference_ms == 2.0
+    assert not m.drifted(2.1) and not m.drifted(2.0) and not m.drifted(2.05)
+    # the median of the last 5 moves 50 % off once most of them are 3 ms
+    assert [m.drifted(3.0) for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="expected 2 op times, got 3"):
+        m.reset([1.0, 1.0, 1.0])

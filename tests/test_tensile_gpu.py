@@ -247,3 +247,28 @@ def test_captured_vanilla_peak_is_the_steps_own():
           f"parameters {param_bytes / 2**20:.1f} MiB")
     # the saved copies alone would add 3x the parameters (weights, Adam's two moments)
     assert graph.peak_bytes < eager_peak + param_bytes + batch_bytes
+
+
+def test_capture_plans_for_the_captured_steps_own_timing():
+    """The eager step's measured op times include the host's gaps; the capture re-plans with
+    the roofline's shape scaled to the captured vanilla step's replay time."""
+    data = batches(6, batch=64, hw=64)
+    model = make_cnn(width=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
+                              allow_cross_iteration=False)
+    for b in data[:2]:
+        sched.step(*b)
+    replans = sched.replans
+    graph = sched.capture(*data[0])
+    print(f"eager-timed plan -> captured vanilla step {sched.captured_vanilla_ms:.3f} ms; "
+          f"{sched.plan.summary()}")
+    assert sched.captured_vanilla_ms > 0 and sched.replans == replans + 1
+    assert sched.plan.iteration_ms == pytest.approx(sched.captured_vanilla_ms, rel=1e-6)
+    assert sched.times.op_ms == pytest.approx(
+        [x * sched.captured_vanilla_ms / sum(sched.estimated_op_ms) for x in sched.estimated_op_ms])
+    loss = graph(*data[1])
+    assert torch.isfinite(loss)
+    kept = sched.replans
+    sched.capture(*data[0], plan_for_graph=False)            # the plan as it is
+    assert sched.replans == kept
