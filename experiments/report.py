@@ -544,6 +544,7 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
                 "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
                 "allocator share": _allocator_share(e, extras),
+                "outside allocators MB": _outside_allocators(e, extras),
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
                 "MSR alloc (jobs)": mean("msr_alloc"), "cold-start MSR (jobs)": mean("cold_start_msr"),
                 "iters to steady (jobs)": mean("iters_to_steady")}
@@ -559,6 +560,21 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
                 line["verdict"] = "reproduced" if ok else "not reproduced"
         out.append(line)
     return pd.DataFrame(out)
+
+
+def _outside_allocators(gpu: dict, jobs: list[dict]) -> str | None:
+    """``vanilla → tensile``: the GPU memory the jobs' processes used above idle (NVML peak)
+    that their caching allocators did not hold (the jobs' reserved peaks), per phase. It is
+    CUDA contexts, loaded kernels and library handles: memory no plan moves. A phase whose
+    figures are missing gives None."""
+    out = []
+    for phase in ("vanilla", "tensile"):
+        peak, idle = gpu.get(f"peak_{phase}_mb"), gpu.get(f"idle_{phase}_mb")
+        held = [j.get(f"peak_reserved_{phase}_mb") for j in jobs]
+        if peak is None or idle is None or not held or any(h is None for h in held):
+            return None
+        out.append(peak - idle - sum(held))
+    return f"{out[0]:.0f} → {out[1]:.0f}"
 
 
 def _allocator_share(gpu: dict, jobs: list[dict]) -> float | None:
@@ -937,7 +953,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
                "left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
                "used memory: the part any plan can act on (the rest is each process's CUDA context, "
-               "kernels and library handles), so MSR (NVML) ≤ allocator share; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
+               "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
+               "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "
+               "what a TENSILE process adds there offsets what its plan saves; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
                "columns are means over the setting's jobs (allocator peaks); run = the setting's latest "
                "run (earlier ones stay in tensile_multi.csv). `*` = smoke.", "",
                md_table(table), ""]

@@ -386,6 +386,11 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
             "msr_alloc": 0.06, "peak_reserved_vanilla_mb": 600.0}})
     table = report.tensile_multi_table(report.load_rows(tmp_path / "h200")).set_index("setting")
     assert table.loc["copies:resnet50x2", "allocator share"] == pytest.approx(1200 / 3000)
+    assert table.loc["copies:resnet50x2", "outside allocators MB"] is None   # no tensile figures
+    gpu = {"peak_vanilla_mb": 3618.0, "idle_vanilla_mb": 618.0, "peak_tensile_mb": 3718.0,
+           "idle_tensile_mb": 618.0}
+    jobs = [{"peak_reserved_vanilla_mb": 600.0, "peak_reserved_tensile_mb": 550.0}] * 2
+    assert report._outside_allocators(gpu, jobs) == "1800 → 2000"   # 3000-1200 → 3100-1100
     # A later run of the setting is the one shown, with its own jobs only (matched by date).
     later = {**common, "date": "2099-01-01T00:00:00+00:00"}
     store.append({**later, "backend": "GPU", "extra": {
