@@ -56,7 +56,11 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``); what the
   last plan assumed beside what the timed steps measured (``SchedulerReport.plan_check()``:
   ``plan_iteration_ms``, ``d2h_gbps_measured``, ``h2d_gbps_measured``,
-  ``stall_ms_per_timed_step``);
+  ``stall_ms_per_timed_step``); ``outside_allocator_mb_{vanilla,tensile}``: the device's used
+  memory minus the job's allocator reservation at stages (``on_device`` after the model and
+  batch moved, ``scheduler`` after TENSILE's set-up, ``first_step``, ``last_step``; empty on
+  CPU): with one job on the GPU, its growth between stages is what the process added outside
+  its allocator;
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and ready (that start-up includes TENSILE's
@@ -264,6 +268,19 @@ def _peaks(cuda: bool) -> tuple[float | None, float | None]:
     return torch.cuda.max_memory_allocated() / MB, torch.cuda.max_memory_reserved() / MB
 
 
+def _outside_allocator_mb(cuda: bool) -> float | None:
+    """The device's used memory (all processes and the driver's own) minus what this
+    process's caching allocator reserved, in MB: with one job on the GPU, its changes
+    between two stages are what the process added outside the allocator (kernels loaded,
+    library handles, streams)."""
+    import torch
+    if not cuda:
+        return None
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free - torch.cuda.memory_reserved()) / MB, 1)
+
+
 def _free(cuda: bool) -> None:
     """Give cached blocks back, so that start-up (recording) memory does not count later."""
     import torch
@@ -346,11 +363,13 @@ def run_job(p: dict) -> dict:
     model.to(p["device"])
     batch = (x.to(p["device"]), y.to(p["device"]))
     opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR)
+    outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
     sched = None
     if p["phase"] == "tensile":
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0}, **p["rates"])
+        outside["scheduler"] = _outside_allocator_mb(cuda)
         step = lambda: sched.step(*batch)  # noqa: E731
     else:
         step = lambda: training_step(model, opt, batch, classification_loss)  # noqa: E731
@@ -378,13 +397,15 @@ def run_job(p: dict) -> dict:
             times.append(ms)
             if i == 0:
                 first_peaks = _peaks(cuda)
+                outside["first_step"] = _outside_allocator_mb(cuda)
             _emit({"event": "step", "job": p["job_id"], "i": i, "ms": ms, "version": version})
             i += 1
         loss = float(loss)
         if not math.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss} after {i} steps")
         peak_alloc, peak_reserved = _peaks(cuda)
-        out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss,
+        outside["last_step"] = _outside_allocator_mb(cuda)
+        out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
         if sched is not None:
@@ -761,6 +782,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"peak_reserved_{name}_mb": res["peak_reserved_mb"],
                       f"first_iter_peak_alloc_{name}_mb": res["first_peak_alloc_mb"],
                       f"first_iter_peak_reserved_{name}_mb": res["first_peak_reserved_mb"],
+                      f"outside_allocator_mb_{name}": res.get("outside_allocator_mb"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
                       f"measured_iters_{name}": s["iters"]})
         if name == "tensile":

@@ -62,6 +62,10 @@ def test_rows_for_every_job_and_the_gpu(copies2):
         assert e["measured_iters_vanilla"] == e["measured_iters_tensile"] == 3
         assert len(e["plan_versions"]) == e["replans"] + 1
         assert e["msr_alloc"] is None and e["peak_alloc_tensile_mb"] is None  # no GPU
+        # the stages where the process's memory outside its allocator is read (None on CPU)
+        assert e["outside_allocator_mb_vanilla"] == dict.fromkeys(["on_device", "first_step", "last_step"])
+        assert e["outside_allocator_mb_tensile"] == dict.fromkeys(
+            ["on_device", "scheduler", "first_step", "last_step"])
         assert e["bytes_swapped"] >= 0 and e["passive_swapins"] >= 0
         # what the job's last plan assumed; its timed steps (the first measured one) timed
         assert e["plan_iteration_ms"] > 0 and e["timed_steps"] >= 1
