@@ -438,3 +438,59 @@ def test_capturing_a_step_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="tensile_graph captures a CUDA graph: it needs a CUDA model"):
         tensile.make_method("tensile_graph", model, torch.optim.Adam(model.parameters()),
                             nn.functional.cross_entropy, batches(1)[0], simulate=True)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_optimizer_state_comes_back_at_its_first_use_and_trains_the_same(groups):
+    """Adam without foreach (or in several groups) touches one part of its state at a
+    time: the state comes back before the op that first uses it, not before step()."""
+    def adam(model):
+        ps = list(model.parameters())
+        return torch.optim.Adam([{"params": ps[i::groups]} for i in range(groups)], lr=1e-2,
+                                foreach=groups > 1)   # one group: a loop over the parameters
+
+    data = batches(6)
+    model0 = make_cnn()
+    opt0 = adam(model0)
+    torch.manual_seed(123)
+    for b in data:
+        training_step(model0, opt0, b, nn.functional.cross_entropy)
+    model = make_cnn()
+    opt = adam(model)
+    torch.manual_seed(123)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, budget=None,
+                              allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12,
+                              optimizer_state_at_first_use=True, **FAST)
+    rec = sched.recording
+    opt_start = next(ops for phase, ops, _, _ in rec.boundaries if phase == "optimizer")
+    later = {sid for sid in rec.opt_state_keys if rec.needed_by.get(sid, opt_start) > opt_start}
+    assert later, "some optimizer state is first used after the optimizer's first op"
+    for b in data:
+        sched.step(*b)
+    sched.restore_parameters()
+    assert sched.runner._state_later & later, "the plan moves state that comes back late"
+    rep = sched.report()
+    assert rep.passive_swap_ins == 0 and rep.swap_ins > 0
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        assert torch.equal(a, b)
+    # the same optimizer, state back before step(): the timeline needs it all there
+    other = make_cnn()
+    plain = tensile.Scheduler(other, adam(other), data[0], nn.functional.cross_entropy,
+                              budget=None, allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12, **FAST)
+    assert all(plain.recording.needed_by.get(sid, opt_start) == opt_start
+               for sid in plain.recording.opt_state_keys)
+
+
+def test_state_at_first_use_lowers_the_planned_peak_of_a_looping_optimizer():
+    """At batch 1 the optimizer's step is the peak: weights, gradients and all of Adam's
+    state. Brought back one parameter at a time, the state no longer all meets there."""
+    peaks = []
+    for first_use in (False, True):
+        model = make_cnn()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        sched = tensile.Scheduler(model, opt, batches(1, batch=1)[0], nn.functional.cross_entropy,
+                                  budget=None, d2h_bw=1e12, h2d_bw=1e12,
+                                  optimizer_state_at_first_use=first_use, **FAST)
+        peaks.append((sched.plan.peak_before, sched.plan.peak_after))
+    (before0, after0), (before1, after1) = peaks
+    assert before0 == before1 and after1 < after0 < before0
