@@ -12,100 +12,26 @@ its backward.)
 * The op times come from one CUDA graph of the same step on one stream, with a timing
   event after every op: the graph runs the ops back to back, so no host launch gap is
   counted (eager timings at CIFAR sizes are mostly gaps). Median over a few replays, less
-  the cost of one event record.
+  the cost of one event record (:func:`tensile.optimes.step_op_times_ms`).
 
 Both run the step for real, so they update the model: analyse a copy.
 """
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from nimble.capture import _event_gap_ms
 from nimble.streams import critical_path
-from tensile.record import is_counted, record_step
+from tensile.optimes import step_op_times_ms
+from tensile.record import record_step
 from tensile.step import training_step
 
 __all__ = ["step_limit", "step_op_times_ms", "cached_step_limit"]
 
 OpTimes = Callable[[nn.Module, torch.optim.Optimizer, Sequence, Callable], list[float]]
-
-
-class _EventAfterEachOp(TorchDispatchMode):
-    """Records a timing event after every op the recorder counts (same filter, same order)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.events: list[torch.cuda.Event] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if is_counted(func):
-            event = torch.cuda.Event(enable_timing=True, external=True)
-            event.record()      # backward ops run on their forward op's stream: the capture's
-            self.events.append(event)
-        return out
-
-
-class _CpuTimeOfEachOp(TorchDispatchMode):
-    """CPU runs: wall time of every counted op (the ops run synchronously there)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ms: list[float] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        t0 = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        if is_counted(func):
-            self.ms.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-
-def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
-                     loss_fn: Callable, repeats: int = 5) -> list[float]:
-    """Single-stream GPU time (ms) of every counted op of one training step, in op order.
-
-    The optimizer must be capturable (SGD; Adam with ``capturable=True``): the step is
-    captured into a CUDA graph, after a warm-up step on a side stream (as
-    ``torch.cuda.graph`` requires). A model on the CPU gets each op's wall time instead
-    (median over ``repeats`` steps).
-    """
-    if next(model.parameters()).device.type == "cpu":
-        runs = []
-        for _ in range(repeats):
-            with _CpuTimeOfEachOp() as mode:
-                training_step(model, optimizer, batch, loss_fn)
-            runs.append(mode.ms)
-        return [statistics.median(column) for column in zip(*runs)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        training_step(model, optimizer, batch, loss_fn)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True, external=True)
-    marks = _EventAfterEachOp()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        start.record()
-        with marks:
-            training_step(model, optimizer, batch, loss_fn)
-    samples = []
-    for _ in range(repeats):
-        graph.replay()
-        torch.cuda.synchronize()
-        ends = [start, *marks.events]
-        samples.append([a.elapsed_time(b) for a, b in zip(ends, ends[1:])])
-    gap = _event_gap_ms(torch.cuda.Stream())   # a graph cannot be captured on the default stream
-    del graph
-    return [max(statistics.median(column) - gap, 0.0) for column in zip(*samples)]
 
 
 def step_limit(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,

@@ -36,10 +36,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from nimble.training import put_back_step_state, save_step_state
+
 from .client import SchedulerError, TensileClient
 from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates,
                        scaled_op_times)
 from .graph import GraphStep
+from .optimes import step_op_times_ms
 from .plan import Plan
 from .planner import plan as make_plan
 from .record import Recording, record_step
@@ -279,7 +282,7 @@ class Scheduler:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the measurement's buffers would skew memory readings
         self.d2h_bw, self.h2d_bw = float(d2h_bw), float(h2d_bw)
-        # the roofline estimates: the cold start's op times, and the GPU's shape of a step
+        # the roofline estimates: the cold start's op times (and capture's fallback)
         self.estimated_op_ms = estimate_op_times(self.recording.graph, peak_flops, peak_bytes_per_s)
         self.times = OpTimeModel(self.estimated_op_ms)
         self.captured_vanilla_ms: float | None = None   # see capture()
@@ -348,7 +351,7 @@ class Scheduler:
         Run one ordinary :meth:`step` first: it creates the optimizer's state (the graph
         must not). ``plan_for_graph`` (default) re-plans for the captured step's own
         timing first: the vanilla step is captured and timed (``captured_vanilla_ms``),
-        and the roofline op estimates, scaled to that time, replace the measured ones.
+        and each op's time in a graph of it replaces the eager-measured one.
         Op times measured in eager mode include the host's gaps between kernels; on a
         host-bound step they make the iteration several times longer than the replay
         (ResNet-50 b=16 on an H200: 38 ms planned, 11 ms captured), and a plan made with
@@ -377,15 +380,34 @@ class Scheduler:
                          batch, self.model, self.optimizer, warmup=warmup, streams=3)
 
     def _plan_for_captured_step(self, batch: Sequence, warmup: int) -> None:
-        """Time the captured vanilla step, then re-plan with op times that add up to it."""
+        """Re-plan with the op times of the step as a CUDA graph runs it.
+
+        Each op's time comes from one graph of the vanilla step with an event after every
+        op (:func:`tensile.optimes.step_op_times_ms`): no host gaps. Should that step's op
+        count differ from the recording's, the roofline estimates scaled to the captured
+        step's replay time stand in. The timing steps train: model, optimizer state and
+        the CUDA RNG are put back afterwards.
+        """
         vanilla = GraphStep(lambda b, capturing: training_step(self.model, self.optimizer, b,
                                                                self.loss_fn),
                             batch, self.model, self.optimizer, warmup=warmup)
         self.captured_vanilla_ms = vanilla.replay_ms()
         del vanilla                    # its private pool goes back before the real capture
+        saved = save_step_state(self.model, self.optimizer)
+        rng = torch.cuda.get_rng_state(self.device)
+        op_ms = step_op_times_ms(self.model, self.optimizer, batch, self.loss_fn)
+        put_back_step_state(self.model, self.optimizer, saved,
+                            [p.grad for p in self.model.parameters()])
+        torch.cuda.set_rng_state(rng, self.device)
+        del saved
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.times.reset(scaled_op_times(self.estimated_op_ms, self.captured_vanilla_ms))
+        if len(op_ms) != len(self.estimated_op_ms):
+            log.warning("the captured step ran %d ops, the recording has %d: planning with the "
+                        "roofline estimates scaled to its replay time", len(op_ms),
+                        len(self.estimated_op_ms))
+            op_ms = scaled_op_times(self.estimated_op_ms, self.captured_vanilla_ms)
+        self.times.reset([max(t, 1e-6) for t in op_ms])   # an op may time at 0 after the gap
         self.plan = self._plan()
         self.runner.set_plan(self.plan)
         self.replans += 1

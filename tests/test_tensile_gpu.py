@@ -251,7 +251,7 @@ def test_captured_vanilla_peak_is_the_steps_own():
 
 def test_capture_plans_for_the_captured_steps_own_timing():
     """The eager step's measured op times include the host's gaps; the capture re-plans with
-    the roofline's shape scaled to the captured vanilla step's replay time."""
+    each op's time in a graph of the vanilla step, which add up to about its replay time."""
     data = batches(6, batch=64, hw=64)
     model = make_cnn(width=64)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
@@ -264,9 +264,9 @@ def test_capture_plans_for_the_captured_steps_own_timing():
     print(f"eager-timed plan -> captured vanilla step {sched.captured_vanilla_ms:.3f} ms; "
           f"{sched.plan.summary()}")
     assert sched.captured_vanilla_ms > 0 and sched.replans == replans + 1
-    assert sched.plan.iteration_ms == pytest.approx(sched.captured_vanilla_ms, rel=1e-6)
-    assert sched.times.op_ms == pytest.approx(
-        [x * sched.captured_vanilla_ms / sum(sched.estimated_op_ms) for x in sched.estimated_op_ms])
+    assert sched.plan.iteration_ms == pytest.approx(sum(sched.times.op_ms), rel=1e-6)
+    # the per-op times leave out the events' own cost: a little under one replay
+    assert 0.5 * sched.captured_vanilla_ms < sched.plan.iteration_ms < 1.2 * sched.captured_vanilla_ms
     loss = graph(*data[1])
     assert torch.isfinite(loss)
     kept = sched.replans
