@@ -208,8 +208,8 @@ class Scheduler:
     part of the state at a time: ``foreach=False``, or several parameter groups (each
     group runs its own foreach kernels). Then the optimizer's peak is no longer weights +
     gradients + all the state (ResNet-50, batch 2, Adam in 16 groups: the planner's
-    simulated MSR 0.20 → 0.36). Cost: the runtime's dispatch mode sees every op of the
-    optimizer phase (~15 µs each on the host).
+    simulated MSR 0.18 → 0.41, ``python -m experiments.optimizer_floor``). Cost: the
+    runtime's dispatch mode sees every op of the optimizer phase (~15 µs each on the host).
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
