@@ -2,12 +2,11 @@
 
     python -m experiments.reproduce [--dry-run] [--sweeps paper_inference,multistream_ablation]
 
-On a CUDA host: the stream analysis, TENSILE's optimizer-phase floor (a planner simulation,
-``results/analysis/optimizer_floor.csv``), each sweep preset through the Hydra app in a subprocess
+On a CUDA host: the stream analysis, each sweep preset through the Hydra app in a subprocess
 (``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
 measured are skipped), one profiler trace for the per-stream timeline, then the report.
 
-On a host without CUDA: the stream analysis, the optimizer-phase floor, the CPU-capable backends on one small model with
+On a host without CUDA: the stream analysis, the CPU-capable backends on one small model with
 quick timing (rows in ``results/cpu/inference.csv``, smoke rows by definition), the report rebuilt
 from the committed results, and a plain list of what was not run and why.
 """
@@ -43,10 +42,6 @@ HEADROOM = ["--models", "nasnet_a_mobile,nasnet_a_large,amoebanet,darts,inceptio
 TRACE_MODEL = "inception_v3"
 
 
-# experiments.optimizer_floor's models: results/analysis/optimizer_floor.csv.
-FLOOR_MODELS = "resnet50,densenet121,inception_v3"
-
-
 def _app(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "experiments.run", *overrides]
 
@@ -60,13 +55,10 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         raise ValueError(f"unknown sweep(s) {unknown}; valid: {', '.join(valid)}")
     analysis = ("stream analysis (CPU trace of every model)",
                 [sys.executable, "-m", "experiments.analysis", "--out", str(RESULTS / "analysis")])
-    floor = ("TENSILE's optimizer-phase floor (planner simulation, CPU trace)",
-             [sys.executable, "-m", "experiments.optimizer_floor", "--models", FLOOR_MODELS,
-              "--out", str(RESULTS / "analysis")])
     report = ("report from the raw rows", [sys.executable, "-m", "experiments.report",
                                            "--results", str(RESULTS)])
     if cuda:
-        steps = [analysis, floor]
+        steps = [analysis]
         steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
         steps += [(f"TENSILE, several jobs: {' '.join(args)}",
                    [sys.executable, "-m", "experiments.tensile_multi", *args])
@@ -80,7 +72,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
             steps.append((f"profiler trace of {TRACE_MODEL} (per-stream timeline)",
                           _app(f"model={TRACE_MODEL}", "backends=[nimble]", "trace=true", "redo=true")))
         return steps + [report], []
-    steps = [analysis, floor, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
+    steps = [analysis, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")

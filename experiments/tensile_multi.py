@@ -181,8 +181,6 @@ class Options:
     results_dir: Path = Path("results")
     redo: bool = False
     arrive_every: int = 5
-    adam_groups: int = 1                # Adam's parameter groups (each runs its own kernels)
-    state_at_first_use: bool = False    # Scheduler(optimizer_state_at_first_use=...)
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -206,10 +204,6 @@ def _suffix(opts: Options) -> str:
         parts.append(f"max_overhead={opts.max_overhead:g}")
     if opts.memory_gb is not None:
         parts.append(f"mem={opts.memory_gb:g}GiB")
-    if opts.adam_groups != 1:
-        parts.append(f"adam_groups={opts.adam_groups}")
-    if opts.state_at_first_use:
-        parts.append("state_at_first_use")
     return "".join("," + p for p in parts)
 
 
@@ -368,17 +362,13 @@ def run_job(p: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, p["memory_gb"] * 2**30 / total))
     model.to(p["device"])
     batch = (x.to(p["device"]), y.to(p["device"]))
-    trained = [q for q in model.parameters() if q.requires_grad]
-    groups = min(p.get("adam_groups", 1), len(trained))   # the same split in both phases
-    opt = torch.optim.Adam([{"params": trained[i::groups]} for i in range(groups)], lr=LR)
+    opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR)
     outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
     sched = None
     if p["phase"] == "tensile":
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
-                          client_kwargs={"register_timeout_s": 120.0},
-                          optimizer_state_at_first_use=p.get("state_at_first_use", False),
-                          **p["rates"])
+                          client_kwargs={"register_timeout_s": 120.0}, **p["rates"])
         outside["scheduler"] = _outside_allocator_mb(cuda)
         step = lambda: sched.step(*batch)  # noqa: E731
     else:
@@ -572,7 +562,6 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "until_stop": job.until_stop, "barrier": setting.arrive_every is None,
             "phase": phase, "device": opts.device, "batch": opts.batch, "warmup": opts.warmup,
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
-            "adam_groups": opts.adam_groups, "state_at_first_use": opts.state_at_first_use,
             "socket": None if sock is None else str(sock)}
 
 
@@ -1111,13 +1100,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-overhead", type=float, default=0.0,
                     help="the scheduler's recompute allowance without --budget, a share of each "
                          "job's iteration time (default 0: swaps only)")
-    ap.add_argument("--adam-groups", type=_positive_int, default=1,
-                    help="split each job's parameters into this many Adam groups, in both "
-                         "phases (each group runs its own foreach kernels; default 1)")
-    ap.add_argument("--state-at-first-use", action="store_true",
-                    help="TENSILE jobs bring optimizer state back at its first op, not before "
-                         "optimizer.step() (Scheduler(optimizer_state_at_first_use=True)); "
-                         "pays with --adam-groups > 1")
     ap.add_argument("--memory-gb", type=_positive_float, default=None,
                     help="emulate a GPU of this many GiB: caps every job process (cuda only)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -1177,8 +1159,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    image_size=args.image_size or IMAGE_SIZE[args.device], budget_bytes=budget,
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
-                   results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
-                   adam_groups=args.adam_groups, state_at_first_use=args.state_at_first_use)
+                   results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

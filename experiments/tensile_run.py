@@ -90,12 +90,6 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(mo, (int, float)) or isinstance(mo, bool) or not 0 <= mo < 1:
         raise ConfigError(f"experiment.max_overhead must be a fraction of the iteration time in "
                           f"[0, 1), got {mo!r}")
-    groups = exp.get("optimizer_groups", 1)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise ConfigError(f"experiment.optimizer_groups must be a positive integer, got {groups!r}")
-    if not isinstance(exp.get("state_at_first_use", False), bool):
-        raise ConfigError(f"experiment.state_at_first_use must be true or false, got "
-                          f"{exp.state_at_first_use!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -151,8 +145,6 @@ def setting(exp) -> str:
         parts.append(f"budget={exp.budget:g}" if isinstance(exp.budget, float) else f"budget={exp.budget}")
     if not exp.cap_setup and (exp.memory_gb is not None or exp.memory_fraction is not None):
         parts.append("uncapped-setup")
-    if exp.get("optimizer_groups", 1) != 1:
-        parts.append(f"optimizer_groups={exp.optimizer_groups}")
     return ",".join(parts)
 
 
@@ -160,12 +152,9 @@ def method_label(name: str, exp) -> str:
     """The row's ``backend``: the method, with its own knob where it has one."""
     if name == "compile_budget":
         return f"compile_budget={exp.activation_memory_budget:g}"
-    knobs = []
     if name in PLANNED and exp.get("max_overhead", 0.0):
-        knobs.append(f"max_overhead={exp.max_overhead:g}")
-    if name == "tensile" and exp.get("state_at_first_use", False):
-        knobs.append("state_at_first_use")
-    return f"{name}({','.join(knobs)})" if knobs else name
+        return f"{name}(max_overhead={exp.max_overhead:g})"
+    return name
 
 
 # --------------------------------------------------------------------------- metrics
@@ -250,11 +239,9 @@ def _drop_aux_head(model: torch.nn.Module) -> torch.nn.Module:
 def _optimizer(model: torch.nn.Module, exp, capturable: bool = False) -> torch.optim.Optimizer:
     """``capturable``: Adam keeps its step count on the device (a CUDA graph needs that)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    n = min(int(exp.get("optimizer_groups", 1)), len(params))
-    groups = [{"params": params[i::n]} for i in range(n)]   # every method: the same split
     if exp.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=exp.lr, momentum=exp.momentum)
-    return torch.optim.Adam(groups, lr=exp.lr, capturable=capturable)
+        return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
+    return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
 
 
 def _release(device: str) -> None:
@@ -368,8 +355,6 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["budget"] = budget
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
-        if name == "tensile" and exp.get("state_at_first_use", False):
-            opts["optimizer_state_at_first_use"] = True
         return opts
     return {}
 

@@ -202,15 +202,6 @@ class Scheduler:
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
 
-    ``optimizer_state_at_first_use``: optimizer state that a plan keeps on the host between
-    iterations comes back just before the optimizer op that first uses it, instead of all
-    at once before ``optimizer.step()``. It pays only with an optimizer whose ops touch
-    part of the state at a time: ``foreach=False``, or several parameter groups (each
-    group runs its own foreach kernels). Then the optimizer's peak is no longer weights +
-    gradients + all the state (ResNet-50, batch 2, Adam in 16 groups: the planner's
-    simulated MSR 0.18 → 0.41, ``python -m experiments.optimizer_floor``). Cost: the
-    runtime's dispatch mode sees every op of the optimizer phase (~15 µs each on the host).
-
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
     instead of locally. The memory budget is then the server's ``--budget`` for all jobs
@@ -236,7 +227,7 @@ class Scheduler:
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = 0.01,
-                 max_overhead: float = 0.0, optimizer_state_at_first_use: bool = False,
+                 max_overhead: float = 0.0,
                  replan: bool = True, planner: Callable[..., Plan] | None = None,
                  scheduler_socket: str | os.PathLike | None = None, job_id: str | None = None,
                  weight: float = 1.0, client_kwargs: dict | None = None) -> None:
@@ -270,7 +261,7 @@ class Scheduler:
             max_overhead=max_overhead)
 
         self._example = _signature(example_batch)
-        self.recording = self._record(example_batch, optimizer_state_at_first_use)
+        self.recording = self._record(example_batch)
         self._init_pending = self._fresh_optimizer
         dtype = params[0].dtype
         if peak_flops is None or peak_bytes_per_s is None:
@@ -540,15 +531,14 @@ class Scheduler:
         self.planner_ms_total += p.planner_ms
         return p
 
-    def _record(self, batch: Sequence, state_at_first_use: bool) -> Recording:
+    def _record(self, batch: Sequence) -> Recording:
         """Record a steady-state step, then put model, optimizer and RNG back as they were."""
         snap = _snapshot(self.model, self.optimizer, self.device)
         self._fresh_optimizer = len(self.optimizer.state) == 0
         try:
             if self._fresh_optimizer:  # the first step creates the optimizer state: other ops
                 training_step(self.model, self.optimizer, batch, self.loss_fn)
-            return record_step(self.model, self.optimizer, batch, self.loss_fn,
-                               state_at_first_use=state_at_first_use)
+            return record_step(self.model, self.optimizer, batch, self.loss_fn)
         finally:
             _restore(self.model, self.optimizer, snap)
 

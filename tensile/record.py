@@ -10,9 +10,7 @@ three more facts, so it records its own step with the same conventions:
 * **saved**: the storages autograd saved for backward (seen by a pack hook). Only those
   can be moved by the runtime between forward and backward;
 * **needed_by**: for each parameter, the op before which its module's forward
-  pre-hook runs; that is where the runtime puts a swapped parameter back. For optimizer
-  state, the optimizer's first op (or, with ``state_at_first_use``, the state's own first
-  op);
+  pre-hook runs; that is where the runtime puts a swapped parameter back;
 * **anchors**: events the runtime sees without intercepting ops, in order, each with
   the number of ops done before it (:class:`Anchor`): every tensor autograd saves (pack
   hook) or unpacks (unpack hook), every module call (forward pre- and post-hook), every
@@ -224,14 +222,11 @@ def _mutated_args(func, args, kwargs, device_type: str) -> list[torch.Tensor]:
 
 
 def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
-                loss_fn: Callable | None, *, state_at_first_use: bool = False) -> Recording:
+                loss_fn: Callable | None) -> Recording:
     """Run one real training step (it updates the model) and record it.
 
     Run it on a step whose op sequence repeats (the optimizer's state already exists),
     see :class:`tensile.api.Scheduler`, which restores the model afterwards.
-    ``state_at_first_use``: optimizer state swapped across iterations is needed back by
-    its own first op (``needed_by``), not by the optimizer's first op; see
-    :class:`tensile.api.Scheduler`.
     """
     params = list(model.parameters())
     if not params:
@@ -318,7 +313,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     if opt_start is not None:
         for sid in opt_keys:
             if sid in first_access and first_access[sid] >= opt_start:
-                needed_by[sid] = first_access[sid] if state_at_first_use else opt_start
+                needed_by[sid] = opt_start
     return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
                      param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,

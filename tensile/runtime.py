@@ -45,9 +45,7 @@ Mechanism (reference §9, §11):
   steps every parameter is the valid device tensor and no host synchronisation is
   needed (the copy-in waits for the copy-out with an event; ``record_stream`` keeps the
   old block from reuse until the copy has read it). They return in their module's
-  forward pre-hook; optimizer state returns just before ``optimizer.step()``, or, when the
-  recording says a state tensor is needed only by a later optimizer op
-  (``state_at_first_use``), just before that op (the mode sees the optimizer's ops then).
+  forward pre-hook; optimizer state returns just before ``optimizer.step()``.
 
 Capture (``step(..., capturing=True)`` inside ``torch.cuda.graph``, see
 :mod:`tensile.graph`) records the same work once into a CUDA graph. Two things change,
@@ -391,22 +389,13 @@ class PlanRunner:
         for sid in list(self.swaps) + list(self.recomputes) + [s.sid for s in cross]:
             if sid not in known:
                 raise ValueError(f"the plan names storage {sid}, unknown to the recording")
-        # After-op actions: copy-outs (planned start order), releases, copy-ins, and the
-        # optimizer state that is needed back by its own first op, not at the optimizer's
-        # start (record_step's state_at_first_use): pointed back at the device there.
+        # After-op actions: copy-outs (planned start order), releases, copy-ins.
         self.after: dict[int, list[tuple]] = {}
-        opt_start = self._opt_start()
-        self._state_later: set[int] = set()
         for s in plan.swaps:
             self.after.setdefault(s.out_issue_op, []).append((1, s.out_start_ms, "out", s))
             if not s.cross_iteration:
                 self.after.setdefault(s.release_after_op, []).append((2, 0.0, "release", s))
             self.after.setdefault(s.in_issue_op, []).append((3, s.in_start_ms, "in", s))
-            need = self.rec.needed_by.get(s.sid)
-            if (s.cross_iteration and s.sid in self.rec.opt_state_keys and opt_start is not None
-                    and need is not None and need > opt_start):
-                self._state_later.add(s.sid)
-                self.after.setdefault(need - 1, []).append((4, 0.0, "restore", s))
         for r in plan.recomputes:
             self.after.setdefault(r.release_after_op, []).append((2, 0.0, "release", r))
         self.after = {k: [(kind, a) for _, _, kind, a in sorted(v, key=lambda x: x[:2])]
@@ -428,10 +417,6 @@ class PlanRunner:
             self._persistent[s.sid] = _Persistent(s, self._regions[s.sid])
         self._install_param_hooks()
         self._install_anchor_hooks()
-
-    def _opt_start(self) -> int | None:
-        """The optimizer's first op in the recording (None: no optimizer phase)."""
-        return next((ops for phase, ops, _, _ in self.rec.boundaries if phase == "optimizer"), None)
 
     def _setup_anchors(self) -> None:
         """Where the plan's work happens (:class:`_Schedule`) and what the hooks look up."""
@@ -617,9 +602,8 @@ class PlanRunner:
         acts = self.sched.at_boundary.get(i)
         if acts and not (self.init_step and phase is None):
             self._run(acts)
-        if phase == "optimizer" and not self.init_step:  # the rest come back at their first op
-            self._restore([sid for sid in self._persistent if sid in self.rec.opt_state_keys
-                           and sid not in self._state_later])
+        if phase == "optimizer" and not self.init_step:
+            self._restore([sid for sid in self._persistent if sid in self.rec.opt_state_keys])
         if self.init_step and phase == "optimizer":
             on = False  # the optimizer is creating its state: other ops, unplanned
         else:
@@ -788,10 +772,7 @@ class PlanRunner:
         if a.sid in self._persistent:
             if self.init_step and self.phase == "optimizer":
                 return
-            if kind == "restore":
-                self._restore([a.sid])
-            else:
-                {"out": self._persistent_out, "in": self._persistent_in}[kind](self._persistent[a.sid])
+            {"out": self._persistent_out, "in": self._persistent_in}[kind](self._persistent[a.sid])
             return
         e = self._entries.get(a.sid)
         if e is None:

@@ -118,19 +118,6 @@ def test_an_overhead_allowance_is_a_tensile_variant_of_its_own(small, tmp_path):
     assert rows["tensile"]["mode"] == rows["tensile(max_overhead=0.2)"]["mode"] == "whole-step"
 
 
-def test_optimizer_groups_and_state_back_at_first_use(small, tmp_path):
-    """Every method trains the same grouped optimizer; TENSILE brings its state back group by
-    group, and its row says so."""
-    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]",
-                        "experiment.optimizer_groups=3", "experiment.state_at_first_use=true"))
-    rows = _rows(tmp_path)
-    assert set(rows) == {"vanilla", "tensile(state_at_first_use)"}
-    assert {r["mode"] for r in rows.values()} == {"whole-step,optimizer_groups=3"}
-    ten = rows["tensile(state_at_first_use)"]
-    assert ten["status"] == "ok", ten["reason"]
-    assert ten["extra"]["passive_share"] == 0
-
-
 def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "trace=true"))
     for name in ("vanilla", "tensile"):
@@ -200,8 +187,6 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
-    (["experiment.optimizer_groups=0"], "optimizer_groups must be a positive integer, got 0"),
-    (["experiment.state_at_first_use=maybe"], "state_at_first_use must be true or false"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -285,11 +270,6 @@ def test_setting_and_label_name_what_changes_the_measurement():
     mo = _compose(["experiment=tensile", "experiment.max_overhead=0.05"]).experiment
     assert tensile_run.method_label("tensile_graph", mo) == "tensile_graph(max_overhead=0.05)"
     assert tensile_run.method_label("graph", mo) == "graph"
-    grouped = _compose(["experiment=tensile", "experiment.optimizer_groups=16",
-                        "experiment.state_at_first_use=true", "experiment.max_overhead=0.05"]).experiment
-    assert tensile_run.setting(grouped) == "whole-step,optimizer_groups=16"
-    assert tensile_run.method_label("tensile", grouped) == "tensile(max_overhead=0.05,state_at_first_use)"
-    assert tensile_run.method_label("tensile_graph", grouped) == "tensile_graph(max_overhead=0.05)"
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"

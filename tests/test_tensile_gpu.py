@@ -272,31 +272,3 @@ def test_capture_plans_for_the_captured_steps_own_timing():
     kept = sched.replans
     sched.capture(*data[0], plan_for_graph=False)            # the plan as it is
     assert sched.replans == kept
-
-
-def test_optimizer_state_back_at_first_use_is_bit_identical_on_gpu():
-    """Adam looping over its parameters, its state brought back op by op on the copy
-    stream: the same parameters and state as eager, nothing brought back on demand."""
-    data = batches(8, batch=1)
-
-    def train(scheduled: bool):
-        model = make_cnn(width=64)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
-        sched = None
-        if scheduled:
-            sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
-                                      allow_recompute=False, optimizer_state_at_first_use=True)
-        for b in data:
-            sched.step(*b) if sched else training_step(model, opt, b, nn.functional.cross_entropy)
-        torch.cuda.synchronize()
-        if sched:
-            sched.restore_parameters()
-        return model, opt, sched
-
-    m0, o0, _ = train(False)
-    m1, o1, sched = train(True)
-    print(sched.plan.summary(), sched.report(), sep="\n")
-    assert sched.runner._state_later, "expected state planned to come back late"
-    assert sched.report().passive_swap_ins == 0
-    for a, b in zip(states(m0, o0), states(m1, o1)):
-        assert torch.equal(a, b)

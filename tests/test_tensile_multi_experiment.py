@@ -179,9 +179,6 @@ def test_settings_follow_the_scenario_rules():
     assert [j.job_id for j in copies[1].jobs] == ["vgg16-1", "vgg16-2", "vgg16-3"]
     low = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, max_overhead=0.05))
     assert [s.label for s in low] == ["copies:vgg16x2,max_overhead=0.05"]
-    grouped = tm.build_settings("copies", ["vgg16"], [1], tm.Options(
-        image_size=224, adam_groups=16, state_at_first_use=True))
-    assert [s.label for s in grouped] == ["copies:vgg16x1,adam_groups=16,state_at_first_use"]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
@@ -270,15 +267,3 @@ def test_cuda_on_a_host_without_one_is_a_clear_error(capsys):
         tm.main(["--scenario", "copies", "--device", "cuda"])
     assert exc.value.code == 2
     assert "no usable CUDA GPU; for a smoke run use --device cpu" in capsys.readouterr().err
-
-
-def test_adam_in_groups_with_state_back_at_first_use(tmp_path):
-    """Both phases train Adam in groups; TENSILE's jobs bring its state back group by group."""
-    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "1", "--adam-groups", "4",
-            "--state-at-first-use", "--results-dir", str(tmp_path), *SMOKE]
-    assert tm.main(args) == 0
-    rows = {r["backend"]: r for r in _rows(tmp_path)}
-    assert all(r["status"] == "ok" for r in rows.values()), [r["reason"] for r in rows.values()]
-    assert rows["GPU"]["mode"] == "copies:mobilenet_v2x1,img=32,adam_groups=4,state_at_first_use"
-    job = rows["mobilenet_v2-1"]["extra"]
-    assert job["passive_swapins"] == 0 and job["measured_iters_tensile"] == 3
