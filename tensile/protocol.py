@@ -293,12 +293,13 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
         "writes": [list(map(int, w)) for w in tl.writes],
         "tensors": [{"sid": int(t.sid), "nbytes": int(t.nbytes), "role": t.role,
                      "swappable": bool(t.swappable),
-                     "needed_by": None if t.needed_by is None else int(t.needed_by)}
+                     "needed_by": None if t.needed_by is None else int(t.needed_by),
+                     "held_to_end": bool(t.held_to_end)}
                     for t in tl.tensors.values()],
     }
 
 
-_TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by"}
+_TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"}
 
 
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
@@ -339,6 +340,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             _fail(f"{where}.swappable", "true or false", t["swappable"])
         if t["needed_by"] is not None and not (_is_int(t["needed_by"]) and 0 <= t["needed_by"] < n):
             _fail(f"{where}.needed_by", f"null or an op index in [0, {n})", t["needed_by"])
+        if not isinstance(t["held_to_end"], bool):
+            _fail(f"{where}.held_to_end", "true or false", t["held_to_end"])
         sid = t["sid"]
         sizes[sid], roles[sid], swappable[sid] = t["nbytes"], t["role"], t["swappable"]
         if t["needed_by"] is not None:
@@ -354,7 +357,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
         tl = AccessTimeline.from_ops(
             ops, sizes, roles, swappable=swappable,
             needed_by={s: v for s, v in needed_by.items() if roles[s] != "activation"},
-            random_ops=[k for k in range(n) if data["random"][k]])
+            random_ops=[k for k in range(n) if data["random"][k]],
+            held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]])
     except ValueError as e:
         raise ProtocolError(f"timeline: {e}") from None
     return tl

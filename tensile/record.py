@@ -154,6 +154,8 @@ class Recording:
     boundaries: list[tuple[str | None, int, int, int]] = field(default_factory=list)
     # ^ per phase change: (new phase, ops done, pack calls done, unpack calls done)
     grad_nodes: list[str] = field(default_factory=list)  # backward nodes' names, breadth-first
+    # the gradients' storages: alive until zero_grad after optimizer.step() (training_step)
+    held_to_end: set[int] = field(default_factory=set)
 
     def timeline(self, op_ms: Sequence[float]) -> AccessTimeline:
         """The access timeline of this step with the given op durations."""
@@ -162,7 +164,7 @@ class Recording:
                           if r in ("param", "opt_state")})
         return AccessTimeline.from_graph(self.graph, op_ms, roles=self.roles,
                                          swappable=swappable, needed_by=self.needed_by,
-                                         random_ops=self.random_ops)
+                                         random_ops=self.random_ops, held_to_end=self.held_to_end)
 
 
 class _Recorder(TorchDispatchMode):
@@ -267,11 +269,16 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     def post_hook(output, m: int) -> None:
         anchor(("post", m), tuple(rec.ids.lookup(t) for t in device_tensors(output, device_type)))
 
+    grads: set[int] = set()
+
     def on_phase(phase: str | None) -> None:
         packs, unpacks = calls.get(("pack",), 0), calls.get(("unpack",), 0)
         boundaries.append((phase, len(rec.nodes), packs, unpacks))
         if phase is not None:
             rec.phase = phase
+        else:   # after optimizer.step(), before zero_grad: the gradients are still there
+            grads.update(s for s in (rec.ids.lookup(p.grad) for p in params if p.grad is not None)
+                         if s is not None)
 
     def on_backward(loss: torch.Tensor) -> None:
         for b, node in enumerate(autograd_nodes(loss)):
@@ -317,6 +324,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
                      param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,
+                     held_to_end=grads,
                      funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
                      grad_nodes=grad_nodes)
 

@@ -67,6 +67,7 @@ class TensorInfo:
     writes: list[int]
     swappable: bool = False
     needed_by: int | None = None
+    held_to_end: bool = False   # alive to the iteration's end after its last op (gradients)
 
     @property
     def persistent(self) -> bool:
@@ -117,7 +118,9 @@ class AccessTimeline:
     def vanilla_range(self, sid: int) -> tuple[int, int]:
         """Ops ``(lo, hi)`` (inclusive) during which the tensor is resident without a plan."""
         t = self.tensors[sid]
-        return (0, self.num_ops - 1) if t.persistent else (t.first, t.last)
+        if t.persistent:
+            return 0, self.num_ops - 1
+        return t.first, self.num_ops - 1 if t.held_to_end else t.last
 
     def vanilla_curve(self) -> np.ndarray:
         """Resident bytes during each op, without any plan (int64 array of length n)."""
@@ -184,6 +187,7 @@ class AccessTimeline:
         swappable: Mapping[int, bool] | None = None,
         needed_by: Mapping[int, int] | None = None,
         random_ops: Iterable[int] | None = None,
+        held_to_end: Iterable[int] | None = None,
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -193,6 +197,10 @@ class AccessTimeline:
         ``swappable`` overrides the default eligibility (activations with a
         forward→backward gap, parameters, optimizer state). ``random_ops`` lists op
         indices that draw random numbers (default: guessed from the op name).
+        ``held_to_end`` lists transient storages that stay allocated to the iteration's end
+        after their last op: the gradients, which ``optimizer.zero_grad`` frees only after
+        ``optimizer.step()`` (a model that freed them at their last read would promise
+        memory the step never gives back).
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -257,6 +265,9 @@ class AccessTimeline:
         for sid, ok in (swappable or {}).items():
             if sid in tensors:
                 tensors[sid].swappable = bool(ok) and tensors[sid].swappable
+        for sid in held_to_end or ():
+            if sid in tensors and not tensors[sid].persistent:
+                tensors[sid].held_to_end = True
         return tl
 
     @classmethod
@@ -269,6 +280,7 @@ class AccessTimeline:
         swappable: Mapping[int, bool] | None = None,
         needed_by: Mapping[int, int] | None = None,
         random_ops: Iterable[int] | None = None,
+        held_to_end: Iterable[int] | None = None,
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -299,7 +311,7 @@ class AccessTimeline:
         auto = _graph_roles(graph)
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
-                            random_ops=random_ops)
+                            random_ops=random_ops, held_to_end=held_to_end)
 
 
 def _graph_roles(graph) -> dict[int, str]:

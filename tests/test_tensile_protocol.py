@@ -182,7 +182,10 @@ def test_timeline_round_trip():
     (lambda w: w["phases"].__setitem__(0, "sideways"), r"timeline.phases\[0\]"),
     (lambda w: w["reads"].__setitem__(0, ["x"]), r"timeline.reads\[0\]"),
     (lambda w: w["tensors"].append({"sid": 99, "nbytes": 1, "role": "activation",
-                                    "swappable": False, "needed_by": None}), "never accessed"),
+                                    "swappable": False, "needed_by": None,
+                                    "held_to_end": False}), "never accessed"),
+    (lambda w: w["tensors"][0].__setitem__("held_to_end", "yes"), r"held_to_end: expected true or false"),
+    (lambda w: w["tensors"][0].pop("held_to_end"), r"an object with keys"),
     (lambda w: w["tensors"][0].__setitem__("role", "weights"), r"role"),
     (lambda w: w["tensors"][0].__setitem__("nbytes", -5), r"nbytes"),
     (lambda w: w.pop("random"), "an object with names"),
@@ -570,3 +573,12 @@ def test_killed_scheduler_then_restarted(sock_dir, clients):
         assert c.report(1.0) is None
     finally:
         stop(proc)
+
+
+def test_gradients_held_to_the_end_travel_with_the_timeline():
+    ops = [("f", "forward", 1.0, [1], [2]), ("b", "backward", 1.0, [2], [3]),
+           ("o", "optimizer", 1.0, [1, 3], [1]), ("o2", "optimizer", 1.0, [1], [1])]
+    tl = AccessTimeline.from_ops(ops, {1: 8, 2: 16, 3: 32}, {1: "param"}, held_to_end=[3])
+    back = timeline_from_wire(timeline_to_wire(tl), list(tl.op_ms))
+    assert back.tensors[3].held_to_end and back.vanilla_range(3) == (1, 3)
+    assert list(back.vanilla_curve()) == list(tl.vanilla_curve())

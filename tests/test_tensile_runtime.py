@@ -438,3 +438,18 @@ def test_capturing_a_step_is_refused_where_it_cannot_work():
     with pytest.raises(ValueError, match="tensile_graph captures a CUDA graph: it needs a CUDA model"):
         tensile.make_method("tensile_graph", model, torch.optim.Adam(model.parameters()),
                             nn.functional.cross_entropy, batches(1)[0], simulate=True)
+
+
+def test_the_recording_knows_the_gradients_live_until_the_step_ends():
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    data = batches(2)
+    training_step(model, opt, data[0], nn.functional.cross_entropy)   # Adam's state exists
+    rec = record_step(model, opt, data[1], nn.functional.cross_entropy)
+    assert len(rec.held_to_end) == len(list(model.parameters()))     # one gradient each
+    tl = rec.timeline([1.0] * rec.graph.num_nodes)
+    for sid in rec.held_to_end:
+        t = tl.tensors[sid]
+        assert t.role == "activation" and t.held_to_end
+        assert tl.phases[t.first] == "backward" and tl.phases[t.last] == "optimizer"
+        assert tl.vanilla_range(sid) == (t.first, tl.num_ops - 1)

@@ -94,3 +94,18 @@ def test_from_nimble_trace_if_available():
     assert tl.num_ops == graph.num_nodes
     assert {"forward", "backward", "optimizer"} <= set(tl.phases)
     assert any(t.role == "param" for t in tl.tensors.values())
+
+
+def test_gradients_held_to_the_end_count_until_the_iteration_ends():
+    """zero_grad frees the gradients only after optimizer.step(): a gradient last read by the
+    optimizer's first op still takes memory during the rest of the optimizer phase."""
+    ops = [("f", "forward", 1.0, [1], [2]), ("b", "backward", 1.0, [2], [3, 4]),
+           ("o1", "optimizer", 1.0, [1, 3], [1]), ("o2", "optimizer", 1.0, [5, 4], [5])]
+    sizes = {1: 10, 2: 20, 3: 100, 4: 100, 5: 10}
+    roles = {1: "param", 5: "param"}
+    free = AccessTimeline.from_ops(ops, sizes, roles)
+    held = AccessTimeline.from_ops(ops, sizes, roles, held_to_end=[3, 4, 1])   # 1: persistent
+    assert free.vanilla_range(3) == (1, 2) and held.vanilla_range(3) == (1, 3)
+    assert held.tensors[3].held_to_end and not held.tensors[1].held_to_end
+    assert list(free.vanilla_curve()) == [40, 240, 220, 120]
+    assert list(held.vanilla_curve()) == [40, 240, 220, 220]
