@@ -315,10 +315,16 @@ def _speedup(df: pd.DataFrame, claim: pd.Series, backend: str) -> tuple[float | 
     same_run = a.get(f"{claim['baseline']}_same_run_ms", np.nan)
     if not pd.isna(same_run):
         b_ms, loaded = float(same_run), bool(a.get(f"{claim['baseline']}_same_run_loaded"))
-    note = f"{claim['baseline']} {b_ms:.3f} ms / {backend} {a['median_ms']:.3f} ms"
+    return b_ms / float(a["median_ms"]), _ratio_note(claim["baseline"], b_ms, loaded, backend,
+                                                     float(a["median_ms"]))
+
+
+def _ratio_note(baseline: str, base_ms: float, loaded: bool, backend: str, ms: float) -> str:
+    """A speedup claim's note: both medians, and whether the baseline's host was loaded."""
+    note = f"{baseline} {base_ms:.3f} ms / {backend} {ms:.3f} ms"
     if loaded:   # a CPU-bound baseline on a busy host is slow: the ratio comes out high
-        note += f"; {claim['baseline']} measured on a loaded host (load above its CPUs)"
-    return b_ms / float(a["median_ms"]), note
+        note += f"; {baseline} measured on a loaded host (load above its CPUs)"
+    return note
 
 
 def _speedup_per_run(runs: pd.DataFrame, claim: pd.Series) -> dict[str, tuple[float, str, str]]:
@@ -335,9 +341,10 @@ def _speedup_per_run(runs: pd.DataFrame, claim: pd.Series) -> dict[str, tuple[fl
         for _, r in rows.iterrows():
             ratio = float(r[same_run] / r["median_ms"])
             if ratio > best.get(r["run_id"], (0.0,))[0]:
-                note = f"{baseline} {r[same_run]:.3f} ms / {backend} {r['median_ms']:.3f} ms"
-                if r[f"{baseline}_same_run_loaded"] is True:
-                    note += f"; {baseline} measured on a loaded host (load above its CPUs)"
+                # bool(): a column without gaps holds numpy bools, which `is True` misses
+                note = _ratio_note(baseline, float(r[same_run]),
+                                   bool(r[f"{baseline}_same_run_loaded"]), backend,
+                                   float(r["median_ms"]))
                 best[r["run_id"]] = (ratio, str(r["date"]), note)
     return best
 
@@ -562,30 +569,37 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
     return pd.DataFrame(out)
 
 
+def _used_and_held(gpu: dict, jobs: list[dict], phase: str) -> tuple[float, float] | None:
+    """In one phase: the GPU memory used above idle (NVML peak) and the sum of the jobs'
+    allocator reserved peaks, in MB; None when a figure is missing."""
+    peak, idle = gpu.get(f"peak_{phase}_mb"), gpu.get(f"idle_{phase}_mb")
+    held = [j.get(f"peak_reserved_{phase}_mb") for j in jobs]
+    if peak is None or idle is None or not held or any(h is None for h in held):
+        return None
+    return peak - idle, sum(held)
+
+
 def _outside_allocators(gpu: dict, jobs: list[dict]) -> str | None:
     """``vanilla → tensile``: the GPU memory the jobs' processes used above idle (NVML peak)
     that their caching allocators did not hold (the jobs' reserved peaks), per phase. It is
     CUDA contexts, loaded kernels and library handles: memory no plan moves. A phase whose
     figures are missing gives None."""
-    out = []
-    for phase in ("vanilla", "tensile"):
-        peak, idle = gpu.get(f"peak_{phase}_mb"), gpu.get(f"idle_{phase}_mb")
-        held = [j.get(f"peak_reserved_{phase}_mb") for j in jobs]
-        if peak is None or idle is None or not held or any(h is None for h in held):
-            return None
-        out.append(peak - idle - sum(held))
-    return f"{out[0]:.0f} → {out[1]:.0f}"
+    phases = [_used_and_held(gpu, jobs, phase) for phase in ("vanilla", "tensile")]
+    if None in phases:
+        return None
+    (used_v, held_v), (used_t, held_t) = phases
+    return f"{used_v - held_v:.0f} → {used_t - held_t:.0f}"
 
 
 def _allocator_share(gpu: dict, jobs: list[dict]) -> float | None:
     """What the jobs' caching allocators held (reserved peaks, vanilla) of the GPU memory
     used above idle (NVML, vanilla): the part a plan can act on. The rest is each
     process's CUDA context, loaded kernels and library handles."""
-    used = (gpu.get("peak_vanilla_mb") or 0) - (gpu.get("idle_vanilla_mb") or 0)
-    held = [j.get("peak_reserved_vanilla_mb") for j in jobs]
-    if used <= 0 or not held or any(h is None for h in held):
+    vanilla = _used_and_held(gpu, jobs, "vanilla")
+    if vanilla is None or vanilla[0] <= 0:
         return None
-    return round(sum(held) / used, 3)
+    used, held = vanilla
+    return round(held / used, 3)
 
 
 def _prefer_full(sp: pd.DataFrame) -> tuple[pd.DataFrame, str]:

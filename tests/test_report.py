@@ -318,6 +318,9 @@ def test_a_claim_says_when_its_baseline_ran_on_a_loaded_host(tmp_path):
     store.append({**common, "backend": "nimble", "median_ms": 1.0, "extra": json.dumps({"run_id": "A"})})
     v = report.claim_verdicts(report.load_rows(tmp_path / "h200"), one_claim(value=3.9)).iloc[0]
     assert v["ours"] == "4.00x" and "eager measured on a loaded host" in v["note"]
+    runs = report.load_rows(tmp_path / "h200", every_run=True)   # judged per run: the same note
+    v = report.claim_verdicts(report.load_rows(tmp_path / "h200"), one_claim(value=3.9), runs).iloc[0]
+    assert v["ours"] == "4.00x" and "eager measured on a loaded host" in v["note"]
     quiet = tmp_path / "quiet"
     store = ResultStore(quiet / "h200" / "inference.csv")
     store.append({**common, "backend": "eager", "median_ms": 4.0,
