@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from experiments.store import COLUMNS, ResultStore, make_row, read_rows
+from experiments.store import COLUMNS, ResultStore, date_stamp, make_row, read_rows
 
 __all__ = ["MergeReport", "merge_results", "main"]
 
@@ -157,7 +157,7 @@ def _date_of_row_naming(side_file: Path) -> str | None:
         for row in read_rows(csv_path):
             extra = json.loads(row["extra"]) if row.get("extra") else {}
             if side_file.name in (extra.get(k) for k in SIDE_FILE_KEYS):
-                stamp = "".join(c for c in row["date"][:19] if c.isalnum())
+                stamp = date_stamp(row["date"])
     return stamp
 
 

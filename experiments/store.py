@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "make_row", "row_key", "read_rows"]
+__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "make_row", "row_key", "read_rows", "date_stamp"]
 
 COLUMNS: list[str] = [
     # what was measured
@@ -78,6 +78,11 @@ def _text(value: Any) -> str:
 def row_key(row: dict[str, Any]) -> tuple[str, ...]:
     """The identity of a measurement (see ``KEY_COLUMNS``), as strings so CSV and dict rows agree."""
     return tuple(str(row.get(c, "")) for c in KEY_COLUMNS)
+
+
+def date_stamp(date: str) -> str:
+    """A row's ``date`` (ISO 8601) as ``YYYYMMDDTHHMMSS``, for file names that belong to it."""
+    return "".join(c for c in date[:19] if c.isalnum())
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:

@@ -114,7 +114,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from experiments.store import ResultStore, row_key
+from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
 from tensile import server
 
@@ -972,7 +972,7 @@ def run_setting(setting: Setting, opts: Options, probe: dict, store: ResultStore
     out_dir = store.path.parent
     env = _row_env(probe)
     # Named per setting and run (the rows' date): a later run of the setting keeps this one's.
-    stamp = "".join(c for c in env["date"][:19] if c.isalnum())
+    stamp = date_stamp(env["date"])
     files = {"timeline_csv": f"tensile_multi_timeline_{_slug(setting.label)}_{stamp}.csv",
              "plot_png": f"tensile_multi_{_slug(setting.label)}_{stamp}.png"}
     write_timeline(sampler.samples, out_dir / files["timeline_csv"])
