@@ -57,7 +57,8 @@ from .capture import AUTO_ONE_STREAM_NOTE, check_call_inputs, compare_streams
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
 __all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward",
-           "faster_whole_step", "save_step_state", "put_back_step_state", "check_capturable"]
+           "faster_whole_step", "save_step_state", "put_back_step_state", "step_state_kept",
+           "check_capturable"]
 
 
 def trace_training_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> TaskGraph:
@@ -205,6 +206,22 @@ def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
             if g is not None:
                 g.zero_()
     _zero_or_restore_optimizer(optimizer, opt_state)
+
+
+@contextlib.contextmanager
+def step_state_kept(module: nn.Module, optimizer: torch.optim.Optimizer,
+                    grads: Callable[[], Sequence[torch.Tensor | None]] | None = None):
+    """Around timing replays or profiling steps that train: module and optimizer state and
+    the CUDA generator are saved on entry and put back (in place) when the block ends;
+    ``grads()`` (default: the parameters' ``.grad`` then) names the gradients to zero. A
+    block that raises leaves them as they are."""
+    device = next(module.parameters()).device
+    saved = save_step_state(module, optimizer)
+    rng = torch.cuda.get_rng_state(device)
+    yield
+    put_back_step_state(module, optimizer, saved,
+                        grads() if grads is not None else [p.grad for p in module.parameters()])
+    torch.cuda.set_rng_state(rng, device)
 
 
 def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: dict) -> None:
@@ -447,12 +464,10 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     nimble._use_multi_stream = False
     single = WholeStep(nimble, inputs, target, loss_fn, optimizer)
 
-    saved = save_step_state(nimble.module, optimizer)
-    rng = torch.cuda.get_rng_state()
-    keep, note = compare_streams(multi.graph, single.graph, streams, rounds, replays, " per step")
-    torch.cuda.synchronize()
-    put_back_step_state(nimble.module, optimizer, saved, [*kept["grads"], *(p.grad for p in params)])
-    torch.cuda.set_rng_state(rng)
+    with step_state_kept(nimble.module, optimizer,
+                         lambda: [*kept["grads"], *(p.grad for p in params)]):
+        keep, note = compare_streams(multi.graph, single.graph, streams, rounds, replays, " per step")
+        torch.cuda.synchronize()
 
     if keep:
         nimble.stats, nimble.graph, nimble.plan = kept["stats"], kept["graph"], kept["plan"]

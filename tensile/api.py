@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from nimble.training import put_back_step_state, save_step_state
+from nimble.training import step_state_kept
 
 from .client import SchedulerError, TensileClient
 from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates,
@@ -384,13 +384,8 @@ class Scheduler:
                             batch, self.model, self.optimizer, warmup=warmup)
         self.captured_vanilla_ms = vanilla.replay_ms()
         del vanilla                    # its private pool goes back before the real capture
-        saved = save_step_state(self.model, self.optimizer)
-        rng = torch.cuda.get_rng_state(self.device)
-        op_ms = step_op_times_ms(self.model, self.optimizer, batch, self.loss_fn)
-        put_back_step_state(self.model, self.optimizer, saved,
-                            [p.grad for p in self.model.parameters()])
-        torch.cuda.set_rng_state(rng, self.device)
-        del saved
+        with step_state_kept(self.model, self.optimizer):
+            op_ms = step_op_times_ms(self.model, self.optimizer, batch, self.loss_fn)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         if len(op_ms) != len(self.estimated_op_ms):

@@ -31,7 +31,7 @@ from torch import nn
 
 from nimble.allocator import GraphMemoryMeter
 from nimble.capture import check_allocator, check_call_inputs
-from nimble.training import check_capturable, put_back_step_state, save_step_state
+from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
 __all__ = ["GraphStep"]
 
@@ -102,18 +102,14 @@ class GraphStep:
         if replays < 1:
             raise ValueError(f"replays: expected at least 1, got {replays}")
         device = self.static_loss.device
-        saved = save_step_state(self.model, self.optimizer)
-        rng = torch.cuda.get_rng_state(device)
         stream = torch.cuda.current_stream(device)
         times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            self.graph.replay()
-            end.record(stream)
-            times.append((start, end))
-        torch.cuda.synchronize(device)
-        ms = sorted(a.elapsed_time(b) for a, b in times)[len(times) // 2]
-        put_back_step_state(self.model, self.optimizer, saved, [p.grad for p in self.model.parameters()])
-        torch.cuda.set_rng_state(rng, device)
-        return float(ms)
+        with step_state_kept(self.model, self.optimizer):
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                self.graph.replay()
+                end.record(stream)
+                times.append((start, end))
+            torch.cuda.synchronize(device)
+        return float(sorted(a.elapsed_time(b) for a, b in times)[len(times) // 2])
