@@ -21,8 +21,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   (:mod:`tensile.policies`) on TENSILE's runtime;
 * ``graph``: the vanilla step captured into one CUDA graph (:mod:`tensile.graph`), and
   ``tensile_graph``: TENSILE's plan captured with it (two ordinary steps first: the
-  optimizer's state, then measured op times and a re-plan; the capture then re-plans for
-  the captured vanilla step's replay time, see ``Scheduler.capture``). Both need CUDA and a
+  optimizer's state, then a timed step whose copies give the row's measured bandwidths;
+  the capture then re-plans with the op times of a graph of the vanilla step, see
+  ``Scheduler.capture``). Both need CUDA and a
   capturable optimizer; they take the host out of the step, so what the plan costs is
   what it costs the GPU (``tensile_graph`` against ``graph``).
 
@@ -267,7 +268,7 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
-    for _ in range(2):  # the optimizer's state, then op times measured and a re-plan
+    for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
     graph = sched.capture(*example_batch)
     report = sched.report()   # the captured plan's (the graph keeps it: no later re-plan)
