@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from nimble.allocator import GraphMemoryMeter
-from nimble.capture import check_allocator, check_call_inputs
+from nimble.capture import check_allocator, check_call_inputs, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
 __all__ = ["GraphStep"]
@@ -96,20 +96,10 @@ class GraphStep:
         return self.static_loss
 
     def replay_ms(self, replays: int = 20) -> float:
-        """Median time in ms of one replay, over ``replays`` replays on the captured batch
-        (CUDA events). The replays train, so model, optimizer state and the CUDA RNG are
-        put back afterwards."""
+        """Mean time in ms of one replay on the captured batch, over ``replays`` back-to-back
+        replays after one untimed one (:func:`nimble.capture.replay_ms`). The replays train,
+        so model, optimizer state and the CUDA RNG are put back afterwards."""
         if replays < 1:
             raise ValueError(f"replays: expected at least 1, got {replays}")
-        device = self.static_loss.device
-        stream = torch.cuda.current_stream(device)
-        times = []
         with step_state_kept(self.model, self.optimizer):
-            for _ in range(replays):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                self.graph.replay()
-                end.record(stream)
-                times.append((start, end))
-            torch.cuda.synchronize(device)
-        return float(sorted(a.elapsed_time(b) for a, b in times)[len(times) // 2])
+            return replay_ms(self.graph, replays)
