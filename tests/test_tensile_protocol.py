@@ -535,6 +535,23 @@ def fake_training(steps: int, client: TensileClient | None, lr: float = 0.1) -> 
     return w, plans
 
 
+def socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets process `pid` holds open.
+
+    The process may open and close files while we look (imports, logging), so an
+    fd listed a moment ago can be gone when read: such fds are skipped, not errors.
+    """
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
 @pytest.mark.slow
 def test_killed_scheduler_then_restarted(sock_dir, clients):
     path = sock_dir / "sched.sock"
@@ -542,9 +559,7 @@ def test_killed_scheduler_then_restarted(sock_dir, clients):
     try:
         # The scheduler process listens on the Unix socket only: no TCP socket at all.
         if Path("/proc/net/tcp").exists():
-            inodes = {os.readlink(f"/proc/{proc.pid}/fd/{fd}")[8:-1]
-                      for fd in os.listdir(f"/proc/{proc.pid}/fd")
-                      if os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith("socket:[")}
+            inodes = socket_inodes(proc.pid)
             tcp = set()
             for table in ("/proc/net/tcp", "/proc/net/tcp6"):
                 if Path(table).exists():
