@@ -84,14 +84,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# Ops whose schemas do not annotate what they write: in training mode they update the
+# running statistics in place (``_native_batch_norm_legit`` and ``_batch_norm_with_update``
+# annotate theirs with ``(a!)``).
+UNANNOTATED_RUNNING_STATS = frozenset({"aten::native_batch_norm", "aten::cudnn_batch_norm",
+                                       "aten::miopen_batch_norm"})
+
+
 def mutated_args(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors the op writes in place, from its schema's alias annotations."""
+    """Tensors the op writes in place: its schema's alias annotations ``(a!)``, plus the
+    running statistics of the batch-norm ops in training mode whose schemas omit them."""
+    schema = func._schema
+
+    def value(i: int, name: str) -> Any:
+        return args[i] if i < len(args) else kwargs.get(name)
+
     out = []
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        out.extend(_tensors(value))
+        out.extend(_tensors(value(i, arg.name)))
+    if schema.name in UNANNOTATED_RUNNING_STATS:
+        named = {a.name: value(i, a.name) for i, a in enumerate(schema.arguments)}
+        if named.get("training"):
+            out.extend(_tensors([named.get("running_mean"), named.get("running_var")]))
     return out
 
 

@@ -54,6 +54,18 @@ def test_in_place_and_views_give_war_and_waw_edges():
     assert g.nodes[2].writes == g.nodes[0].writes        # same storage through the view
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_writes_its_running_statistics_only_in_training(training):
+    """``native_batch_norm``'s schema does not mark them written; the trace must."""
+    bn = nn.BatchNorm2d(3).train(training)
+    g = trace_graph(nn.Sequential(nn.Conv2d(3, 3, 1), bn), torch.randn(2, 3, 4, 4))
+    node = next(n for n in g.nodes if "batch_norm" in n.name)
+    stats = [sid for sid in node.reads if sid in g.params and sid not in g.nodes[0].reads]
+    assert len(stats) == 4      # weight, bias, running mean, running variance
+    written = set(node.writes) & set(stats)
+    assert len(written) == (2 if training else 0)
+
+
 def test_outputs_inputs_and_params_are_named():
     m = Branchy()
     x = torch.randn(1, 3, 8, 8)
