@@ -45,10 +45,15 @@ class Swap:
 
 @dataclass
 class Recompute:
-    """Drop a tensor after ``release_after_op``; rerun ``producer_op`` before ``before_op``.
+    """Drop a tensor after ``release_after_op``; rerun ``producer_op`` before ``before_op``,
+    then the in-place ops ``then_ops`` that updated the tensor after it was produced (a
+    batch norm's output that ``ReLU(inplace=True)`` overwrote, a residual ``add_``).
 
-    ``sources`` are the storages the producer reads; the plan keeps them resident and
-    unmodified until ``before_op``.
+    ``sources`` are the storages these ops read; the plan keeps them resident and
+    unmodified until ``before_op``. ``scratch`` are storages the producer also writes
+    (a batch norm's running statistics in training mode): the rerun writes them in
+    scratch copies, so the step's real ones are updated once, as without the plan.
+    ``cost_ms`` is the time of all rerun ops.
     """
 
     sid: int
@@ -58,6 +63,8 @@ class Recompute:
     before_op: int
     cost_ms: float
     sources: list[int] = field(default_factory=list)
+    then_ops: list[int] = field(default_factory=list)
+    scratch: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -99,11 +106,12 @@ class Plan:
 
         Key ``-1`` is the iteration start. Entries read ``"after: swap_out 12"``,
         ``"after: release 12"``, ``"after: swap_in 12 (for op 80)"``,
-        ``"before: recompute 7"``.
+        ``"before: recompute 7 (op 3, 4)"`` (the ops rerun).
         """
         acts: dict[int, list[tuple[int, float, str]]] = defaultdict(list)
         for r in self.recomputes:
-            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {r.producer_op})"))
+            ops = ", ".join(map(str, [r.producer_op, *r.then_ops]))
+            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {ops})"))
             acts[r.release_after_op].append((2, 0.0, f"after: release {r.sid}"))
         for s in self.swaps:
             tag = " [next iteration]" if s.cross_iteration else ""

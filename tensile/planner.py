@@ -11,9 +11,10 @@ Each round:
    optimizer state move across the iteration boundary (out after their update, in
    before their first use in the next iteration);
 3. **recompute** (with a budget, or within ``max_overhead`` without one, when no swap
-   fits): among resident activations whose producer reads only tensors that stay
-   resident and unmodified until the backward access, take the one with the most bytes
-   freed per ms of recomputation;
+   fits): among resident activations whose producer (and the in-place ops that updated
+   them after it, see :func:`recompute_of`) read only tensors that stay resident and
+   unmodified until the backward access, take the one with the most bytes freed per ms
+   of recomputation;
 4. commit one tensor, update the memory curve, repeat.
 
 It stops when the budget is met, or, without a budget, when neither a hidden swap nor a
@@ -33,7 +34,7 @@ import numpy as np
 
 from .plan import Plan, Recompute, Swap
 from .simulate import simulate
-from .timeline import CROSS_ITERATION_ROLES, AccessTimeline
+from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 
 __all__ = ["plan"]
 
@@ -168,7 +169,10 @@ class PlanState:
         self.vhi = np.array([r[1] for r in rng], dtype=np.int64)
         self.movable = np.array([t.swappable for t in info], dtype=bool)
         self.free = np.ones(len(info), dtype=bool)  # neither moved nor pinned as a source
+        self.pinned = np.zeros(len(info), dtype=bool)  # a source of recomputes, not moved
         self.moved: set[int] = set()  # swapped or recomputed
+        self.rebuilt: dict[int, Recompute] = {}  # recomputed: sid -> its recompute
+        self.dependents: dict[int, list[Recompute]] = {}  # sid -> the recomputes reading it
         self.row = {int(s): i for i, s in enumerate(self.sids)}
         self.d2h, self.h2d = CopyChannel(tl.iteration_ms), CopyChannel(tl.iteration_ms)
         self.swaps: list[Swap] = []
@@ -176,9 +180,11 @@ class PlanState:
         self.recompute_ms = 0.0   # the recomputes' cost so far
 
     # -------------------------------------------------------------- helpers
-    def resident_candidates(self, p: int, min_bytes: int) -> list[int]:
-        """Movable, untouched tensors resident at op ``p``, largest first."""
-        ok = (self.vlo <= p) & (p <= self.vhi) & self.movable & self.free & (self.nbytes >= min_bytes)
+    def resident_candidates(self, p: int, min_bytes: int, pinned_too: bool = False) -> list[int]:
+        """Movable, untouched tensors resident at op ``p``, largest first (``pinned_too``:
+        also those pinned as sources of recomputes)."""
+        untouched = self.free | (pinned_too & self.pinned)
+        ok = (self.vlo <= p) & (p <= self.vhi) & self.movable & untouched & (self.nbytes >= min_bytes)
         idx = np.nonzero(ok)[0]
         order = np.lexsort((self.sids[idx], -self.nbytes[idx]))
         return [int(self.sids[i]) for i in idx[order]]
@@ -280,46 +286,87 @@ class PlanState:
         """Drop the resident activation with the most bytes freed per ms of recompute,
         among those whose recomputation costs at most ``max_cost_ms``."""
         tl = self.tl
-        best: tuple[float, int, Recompute] | None = None
-        for sid in self.resident_candidates(p, min_bytes):
-            t = tl.tensors[sid]
+        best: tuple[float, Recompute] | None = None
+        for sid in self.resident_candidates(p, min_bytes, pinned_too=True):
             gap = tl.backward_gap(sid)
-            if t.persistent or gap is None or not gap[0] < p < gap[1]:
+            if tl.tensors[sid].persistent or gap is None or not gap[0] < p < gap[1]:
                 continue
-            if len(t.writes) != 1:  # an in-place update after the producer: one op cannot rebuild it
+            # a source of recomputes already planned must be back (rebuilt) before theirs
+            j = min([gap[1]] + [d.before_op for d in self.dependents.get(sid, [])])
+            if not p < j:
                 continue
-            prod, (i, j) = t.writes[0], gap
-            if tl.random[prod]:
+            r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt)
+            if r is None or r.cost_ms > max_cost_ms + EPS:
                 continue
-            sources = [r for r in tl.reads[prod] if r != sid]
-            if not all(self._stays_put(r, prod, j) for r in sources):
-                continue
-            cost = float(tl.op_ms[prod])
-            if cost > max_cost_ms + EPS:
-                continue
-            score = t.nbytes / cost
+            score = r.nbytes / r.cost_ms
             if best is None or score > best[0]:
-                best = (score, sid, Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod,
-                                              release_after_op=i, before_op=j, cost_ms=cost,
-                                              sources=sources))
+                best = (score, r)
         if best is None:
             return False
-        r = best[2]
+        r = best[1]
         self.recomputes.append(r)
+        self.rebuilt[r.sid] = r
         self.recompute_ms += r.cost_ms
         self.commit(r.sid, r.release_after_op + 1, r.before_op - 1)
-        for src in r.sources:  # they must stay put until the recompute: never move them
-            self.free[self.row[src]] = False
+        self.pinned[self.row[r.sid]] = False
+        for src in r.sources:
+            self.dependents.setdefault(src, []).append(r)
+            if src not in self.moved:  # never swapped: they must be there for the recompute
+                self.free[self.row[src]] = False
+                self.pinned[self.row[src]] = True
+            first = self.rebuilt.get(src)
+            if first is not None and first.before_op > r.before_op:
+                # a dropped source is rebuilt first, and then stays until its own use
+                self.mem[r.before_op:first.before_op] += first.nbytes
+                first.before_op = r.before_op
         return True
 
-    def _stays_put(self, src: int, prod: int, j: int) -> bool:
-        """Is ``src`` resident and unmodified from op ``prod`` until op ``j``?"""
-        t = self.tl.tensors[src]
-        if src in self.moved:
-            return False
-        if not t.persistent and t.last < j:
-            return False
-        return not any(prod < w <= j for w in t.writes)
+
+
+# Batch-norm ops update their running statistics in training mode, and their output does
+# not depend on them: a recompute reruns them on scratch copies of those statistics.
+SCRATCH_OK = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm",
+                        "_native_batch_norm_legit", "_batch_norm_with_update"})
+
+
+def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
+                 rebuilt: dict[int, Recompute] | None = None) -> Recompute | None:
+    """How to rebuild activation ``sid``, dropped after op ``i``, before op ``j``; None
+    where the runtime cannot.
+
+    The rebuild reruns the producer, then the in-place ops that updated the tensor in
+    forward (a batch norm's output that ``ReLU(inplace=True)`` overwrote, a residual
+    ``add_``): each reads the tensor as it was. No rerun op may draw random numbers or
+    write anything else, except a batch norm's running statistics, which the rerun
+    updates in scratch copies. Every other input must be unmodified until op ``j`` and
+    resident then: not ``moved``, or itself recomputed (in ``rebuilt``), in which case
+    it is rebuilt first, by op ``j``, and stays until its own use (the caller moves its
+    ``before_op``). Chains of recomputes rebuild a run of layers from one kept tensor,
+    as activation checkpointing does.
+    """
+    t = tl.tensors[sid]
+    prod, then = t.writes[0], t.writes[1:]
+    if any(k > i for k in then):
+        return None                       # written again after its last forward access
+    chain = [prod, *then]
+    if any(tl.random[k] for k in chain):
+        return None
+    scratch = [s for s in tl.writes[prod]
+               if s != sid and (tl.tensors[s].persistent or tl.tensors[s].writes[0] != prod)]
+    if scratch and base_name(tl.names[prod]) not in SCRATCH_OK:
+        return None                       # a side effect that a rerun would repeat
+    if any(s != sid for k in then for s in tl.writes[k]):
+        return None
+    sources = list(dict.fromkeys(r for k in chain for r in tl.reads[k]
+                                 if r != sid and r not in scratch))
+    for src in sources:
+        s = tl.tensors[src]
+        gone = src in moved and (rebuilt is None or src not in rebuilt)
+        if gone or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
+            return None                   # it would not be there, unchanged, at op j
+    return Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod, release_after_op=i,
+                     before_op=j, cost_ms=float(sum(tl.op_ms[k] for k in chain)),
+                     sources=sources, then_ops=list(then), scratch=scratch)
 
 
 def check_max_overhead(max_overhead) -> None:

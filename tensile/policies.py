@@ -20,7 +20,8 @@ saved-tensor hooks as TENSILE, so only the decision of what to move, and when, d
   swap and recompute costs least per byte, i.e. the largest memory saving per second
   (MSPS, with swap overhead ``-FT`` and recompute overhead the producer's time). The
   swap-in is triggered so that it ends just before the back-access. Differences, which
-  our runtime imposes: one level of recomputation (sources must stay resident, as in
+  our runtime imposes: one level of recomputation (the producer and the in-place ops
+  after it, :func:`tensile.planner.recompute_of`; sources must stay resident, as in
   TENSILE's own planner) and no on-line feedback on swap-in timing beyond TENSILE's
   re-plan with measured op times.
 
@@ -40,6 +41,7 @@ from typing import Callable
 import numpy as np
 
 from .plan import Plan, Recompute, Swap
+from .planner import recompute_of
 from .simulate import simulate
 from .timeline import FORWARD_PHASES, AccessTimeline
 
@@ -143,7 +145,7 @@ def capuchin_plan(tl: AccessTimeline, *, budget_bytes: int | None, d2h_bw: float
                 s.in_issue_op = k_in
                 score = ft if ft >= 0 else nbytes / -ft
                 options.append((ft >= 0, score, s, (lo, k_in)))
-            rc = _recompute(tl, sid, i, j, moved)
+            rc = recompute_of(tl, sid, i, j, moved)
             if rc is not None:
                 options.append((False, nbytes / rc.cost_ms, rc, (i + 1, j - 1)))
         if not options:
@@ -162,21 +164,6 @@ def capuchin_plan(tl: AccessTimeline, *, budget_bytes: int | None, d2h_bw: float
                 if src in row:
                     free[row[src]] = False
     return _finish(tl, swaps, recomputes, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, t0)
-
-
-def _recompute(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int]) -> Recompute | None:
-    """One-level recomputation of ``sid`` before op ``j``, or None where the runtime cannot."""
-    t = tl.tensors[sid]
-    if len(t.writes) != 1 or tl.random[t.writes[0]]:
-        return None  # updated in place later, or draws random numbers
-    prod = t.writes[0]
-    sources = [r for r in tl.reads[prod] if r != sid]
-    for src in sources:
-        s = tl.tensors[src]
-        if src in moved or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
-            return None  # a source would not be there, unchanged, at recompute time
-    return Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod, release_after_op=i,
-                     before_op=j, cost_ms=float(tl.op_ms[prod]), sources=sources)
 
 
 # --------------------------------------------------------------------------- shared

@@ -39,7 +39,12 @@ Mechanism (reference §9, §11):
   compute stream: a *passive* swap-in, counted (TENSILE's plan-quality measure); on
   timed steps the compute stream's waits for copy-ins are timed with events (stalls);
 * recomputation reruns the producing op from the inputs it read, kept by reference
-  (the planner checked they stay resident and unmodified);
+  (the planner checked they stay resident and unmodified), then the in-place ops that
+  updated the tensor in forward (``ReLU(inplace=True)``, a residual ``add_``: noted
+  when they run, the tensor itself kept as a placeholder). A batch norm reruns on
+  copies of its running statistics (it updated the real ones once already). An input
+  that is itself a managed activation is kept as a reference to its entry, not to its
+  memory, and brought back first (recomputed or copied in) when the recompute runs;
 * parameters swapped across the iteration boundary are copied out after their update
   and become pinned host tensors (``p.data``) when the *next* step starts, so between
   steps every parameter is the valid device tensor and no host synchronisation is
@@ -74,6 +79,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map
 
 from .plan import Plan, Recompute, Swap
 from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
@@ -153,7 +159,8 @@ class _Entry:
         self.host: torch.Tensor | None = None
         self.out_done = None
         self.ready = None
-        self.recipe = None
+        self.recipe = None        # (func, args, kwargs, output position) of the producer
+        self.then: list = []      # (func, args, kwargs) of the in-place updates after it
         self.orig: StorageWeakRef | None = None
         self.live_handles = 0
         self.in_backward = False
@@ -162,6 +169,33 @@ class _Entry:
         self.live_handles -= 1
         if self.live_handles == 0 and self.in_backward:
             self.data = None  # autograd is done with it: free the device copy
+
+
+class _Own:
+    """In a recipe: the recomputed tensor itself (an in-place update's ``self``)."""
+
+    __slots__ = ("meta",)
+
+    def __init__(self, meta: _Meta):
+        self.meta = meta
+
+
+class _Scratch:
+    """In a recipe: a tensor the op also writes (running statistics): replayed on a copy."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _Ref:
+    """In a recipe: another managed activation, brought back when the recipe runs."""
+
+    __slots__ = ("entry", "meta")
+
+    def __init__(self, entry: "_Entry", meta: _Meta):
+        self.entry, self.meta = entry, meta
 
 
 class _Packed:
@@ -245,11 +279,12 @@ class _Schedule:
 
 
 def _schedule(rec: Recording, before: dict[int, list], grabs: dict[int, list[int]],
-              bindable: set[int]) -> _Schedule:
+              bindable: set[int], noted: set[int] = frozenset()) -> _Schedule:
     """Anchor the actions and bindings; put a mode window around every op that needs one.
 
     ``before``: op -> actions to run as it starts; ``grabs``: op -> managed storages it
-    produces; ``bindable``: the storages a module hook may bind (they need no recipe).
+    produces; ``bindable``: the storages a module hook may bind (they need no recipe);
+    ``noted``: ops whose arguments the runner keeps (in-place updates a recompute replays).
     """
     s = _Schedule()
     anchors = rec.anchors
@@ -282,7 +317,7 @@ def _schedule(rec: Recording, before: dict[int, list], grabs: dict[int, list[int
                 work(j).binds.append((sid, anchors[j].sids.index(sid)))
             else:
                 s.grab_at_op.setdefault(k, []).append(sid)
-    s.slow_ops = set(s.at_op) | set(s.grab_at_op)
+    s.slow_ops = set(s.at_op) | set(s.grab_at_op) | set(noted)
     # Windows open and close at module calls (forward pre-/post-hooks): plain Python
     # between two ops. Switching the mode inside an op's dispatch (in a pack hook, say)
     # would show that op's inner ops to the mode, or hide the op from it.
@@ -384,6 +419,10 @@ class PlanRunner:
         self.plan = plan
         self.swaps = {s.sid: s for s in plan.swaps if not s.cross_iteration}
         self.recomputes = {r.sid: r for r in plan.recomputes}
+        self.updates: dict[int, list[int]] = {}  # op -> recomputed storages it updates in place
+        for r in plan.recomputes:
+            for k in r.then_ops:
+                self.updates.setdefault(k, []).append(r.sid)
         cross = [s for s in plan.swaps if s.cross_iteration]
         known = {sid for n in self.nodes for sid in n.storage_bytes}
         for sid in list(self.swaps) + list(self.recomputes) + [s.sid for s in cross]:
@@ -421,7 +460,8 @@ class PlanRunner:
     def _setup_anchors(self) -> None:
         """Where the plan's work happens (:class:`_Schedule`) and what the hooks look up."""
         before = {k + 1: acts for k, acts in self.after.items() if k >= 0}
-        self.sched = sched = _schedule(self.rec, before, self.grab, set(self.swaps))
+        self.sched = sched = _schedule(self.rec, before, self.grab, set(self.swaps),
+                                       set(self.updates))
         managed = set(self.swaps) | set(self.recomputes)
         self._managed_packs = {a.key[1] for a in self.rec.anchors
                                if a.key[0] == "pack" and a.sids[0] in managed}
@@ -735,6 +775,8 @@ class PlanRunner:
                 self._op_events.append(ev)
         if k in self.sched.grab_at_op:
             self._grab(k, func, args, kwargs, out)
+        if k in self.updates:
+            self._note_updates(k, func, args, kwargs)
         self.k = k + 1
         return out
 
@@ -752,7 +794,52 @@ class PlanRunner:
                                     f"device outputs, now {len(outs)}")
         for sid in self.sched.grab_at_op[k]:
             pos = self.rec.out_sids[k].index(sid)
-            self._bind(sid, outs[pos], (func, args, kwargs, pos))
+            rec = self.recomputes.get(sid)
+            recipe = (None if rec is None else
+                      (func, *self._recipe_args(k, args, kwargs, None, set(rec.scratch)), pos))
+            self._bind(sid, outs[pos], recipe)
+
+    def _note_updates(self, k: int, func, args, kwargs) -> None:
+        """Op ``k`` updated recomputed tensors in place: keep it to replay after their producer."""
+        for sid in self.updates[k]:
+            e = self._entries.get(sid)
+            if e is not None and e.recipe is not None:
+                e.then.append((func, *self._recipe_args(k, args, kwargs, e, set())))
+
+    def _recipe_args(self, k: int, args, kwargs, own: _Entry | None, scratch: set[int]):
+        """``(args, kwargs)`` of op ``k`` as a recompute keeps them. Tensors stay referenced
+        (the plan keeps them resident) except: ``own``'s storage (an in-place update's
+        target), storages in ``scratch`` and other managed activations, which would stay
+        alive through the reference: placeholders (:class:`_Own`, :class:`_Scratch`,
+        :class:`_Ref`) that :meth:`_replay_args` resolves."""
+        sids = iter(self.rec.arg_sids[k])
+        own_ptr = own.data.untyped_storage().data_ptr() if own is not None else None
+
+        def keep(x):
+            if not (isinstance(x, torch.Tensor) and device_tensors(x, self.device.type)):
+                return x
+            sid, ptr = next(sids), x.untyped_storage().data_ptr()
+            if ptr == own_ptr:
+                return _Own(_meta_of(x))
+            if sid in scratch:
+                return _Scratch(x)
+            hit = self._by_ptr.get(ptr)
+            if hit is not None and not hit[0].expired():
+                return _Ref(hit[1], _meta_of(x))
+            return x
+        return tree_map(keep, (args, kwargs))
+
+    def _replay_args(self, tree, own: torch.Tensor | None = None):
+        """Resolve a recipe's placeholders: ``own`` is the rebuilt tensor's bytes."""
+        def real(x):
+            if isinstance(x, _Own):
+                return _view(own, x.meta)
+            if isinstance(x, _Scratch):
+                return x.tensor.clone()
+            if isinstance(x, _Ref):
+                return _view(self._bring_back(x.entry), x.meta)
+            return x
+        return tree_map(real, tree, is_leaf=lambda x: isinstance(x, (_Own, _Scratch, _Ref)))
 
     def _bind(self, sid: int, t: torch.Tensor, recipe) -> None:
         """Manage ``t`` as storage ``sid`` from now on (``recipe``: how to recompute it)."""
@@ -985,30 +1072,40 @@ class PlanRunner:
         e = h.entry
         with _disable_current_modes():
             e.in_backward = True
-            if e.data is None:
-                if e.recipe is not None:
-                    self._recompute(e)
-                elif e.host is not None:
-                    self._swap_in(e, passive=True)
-                else:
-                    raise RuntimeError(f"TENSILE runtime bug: storage {e.sid} was released "
-                                       "without a copy or a recompute recipe")
-            if e.ready is not None:
-                self._wait(e.ready)
-                e.ready = None
-            return _view(e.data, h.meta)
+            return _view(self._bring_back(e), h.meta)
+
+    def _bring_back(self, e: _Entry) -> torch.Tensor:
+        """``e``'s bytes on the device, recomputed or copied in if released; the compute
+        stream waits for a copy-in before it uses them."""
+        if e.data is None:
+            if e.recipe is not None:
+                self._recompute(e)
+            elif e.host is not None:
+                self._swap_in(e, passive=True)
+            else:
+                raise RuntimeError(f"TENSILE runtime bug: storage {e.sid} was released "
+                                   "without a copy or a recompute recipe")
+        if e.ready is not None:
+            self._wait(e.ready)
+            e.ready = None
+        return e.data
 
     def _recompute(self, e: _Entry) -> None:
+        """Rerun ``e``'s producer, then the in-place updates that followed it in forward;
+        a managed input released meanwhile is brought back first (a chain of recomputes)."""
         func, args, kwargs, pos = e.recipe
         with torch.no_grad():
-            out = func(*args, **kwargs)
-        t = device_tensors(out, self.device.type)[pos]
-        if t.untyped_storage().nbytes() != e.nbytes:
-            raise PlanMismatchError(f"recomputing storage {e.sid}: got {t.untyped_storage().nbytes()} "
-                                    f"bytes, recorded {e.nbytes}")
+            out = func(*self._replay_args(args), **self._replay_args(kwargs))
+            t = device_tensors(out, self.device.type)[pos]
+            if t.untyped_storage().nbytes() != e.nbytes:
+                raise PlanMismatchError(f"recomputing storage {e.sid}: got "
+                                        f"{t.untyped_storage().nbytes()} bytes, recorded {e.nbytes}")
+            data = _bytes_of(t)
+            for f, a, kw in e.then:
+                f(*self._replay_args(a, data), **self._replay_args(kw, data))
         if e.orig is not None and not e.orig.expired():
             self.stats.ineffective_releases += 1
-        e.data, e.recipe, e.orig = _bytes_of(t), None, None  # drop the sources
+        e.data, e.recipe, e.then, e.orig = data, None, [], None  # drop the sources
         self.stats.recomputes += 1
 
     # ================================================================== objects

@@ -343,7 +343,7 @@ _OVERWRITES = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "
 
 def _existed_before(node, sid: int) -> bool:
     """Did ``sid`` hold data before ``node``, the first op that touches it?"""
-    base = _base_name(node.name)
+    base = base_name(node.name)
     if base in _OVERWRITES:
         return False
     if sid in node.reads and sid not in node.writes:
@@ -351,7 +351,7 @@ def _existed_before(node, sid: int) -> bool:
     return base.endswith("_") and not base.endswith("__")  # updated in place
 
 
-def _base_name(name: str) -> str:
+def base_name(name: str) -> str:
     """``aten.add_.Tensor`` → ``add_``."""
     parts = name.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]

@@ -104,7 +104,7 @@ def check_plan(tl: AccessTimeline, p: Plan, max_overhead: float = 0.0) -> None:
     for s in p.swaps:
         check_swap(tl, s)
     for r in p.recomputes:
-        check_recompute(tl, r, set(moved))
+        check_recompute(tl, r, p)
     for intervals in ([(s.out_start_ms, s.out_end_ms) for s in p.swaps],
                       [(s.in_start_ms, s.in_end_ms) for s in p.swaps]):
         intervals = sorted(folded(intervals, tl.iteration_ms))
@@ -152,17 +152,27 @@ def check_swap(tl: AccessTimeline, s: Swap) -> None:
         assert s.use_op in t.accesses
 
 
-def check_recompute(tl: AccessTimeline, r: Recompute, moved: set[int]) -> None:
+def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     t = tl.tensors[r.sid]
-    assert not t.persistent and t.writes == [r.producer_op]
-    assert not tl.random[r.producer_op]
+    chain = [r.producer_op, *r.then_ops]
+    assert not t.persistent and t.writes == chain, "the rerun ops are not the tensor's writes"
+    assert all(k <= r.release_after_op for k in r.then_ops), "updated in place after its release"
+    assert all(tl.writes[k] == [r.sid] for k in r.then_ops), "an in-place update writes more"
+    assert not any(tl.random[k] for k in chain)
+    assert r.cost_ms == pytest.approx(sum(tl.op_ms[k] for k in chain))
+    assert r.scratch == [s for s in tl.writes[r.producer_op]
+                         if s != r.sid and (tl.tensors[s].persistent or tl.tensors[s].writes[0] != r.producer_op)]
     before = [a for a in t.accesses if a < r.before_op]
     assert r.release_after_op >= before[-1], "released before its last read"
     assert not [a for a in t.accesses if r.release_after_op < a < r.before_op]
-    assert r.before_op in t.accesses
+    assert r.before_op <= tl.backward_gap(r.sid)[1]
+    swapped = {s.sid for s in p.swaps}
+    rebuilt = {q.sid: q for q in p.recomputes}
     for src in r.sources:
         st_ = tl.tensors[src]
-        assert src not in moved, "a recompute source is itself moved"
+        assert src not in swapped, "a recompute source is swapped"
+        if src in rebuilt:    # a chain: the source is rebuilt first
+            assert rebuilt[src].before_op <= r.before_op, "a source is rebuilt after its reader"
         assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
         assert not [w for w in st_.writes if r.producer_op < w <= r.before_op]
 
@@ -379,4 +389,45 @@ def test_planner_is_fast_on_a_large_timeline():
     p = plan(tl, d2h_bw=5e10, h2d_bw=5e10)
     assert p.peak_after < p.peak_before
     assert p.planner_ms < 30_000
+    check_plan(tl, p)
+
+
+def _bn_relu_ops(bn_name: str) -> list:
+    """conv → batch norm (writes running stats 3) → ReLU in place → head, and backward."""
+    return [
+        ("aten.convolution.default", "forward", 1.0, [1, 2], [10]),
+        (bn_name, "forward", 1.0, [10, 3], [11, 3]),
+        ("aten.relu_.default", "forward", 1.0, [11], [11]),
+        ("head", "forward", 1.0, [11], [12]),
+        ("l", "loss", 1.0, [12], [13, 16]),                  # 16: scratch, the peak
+        ("head_bwd", "backward", 1.0, [13, 11], [14]),
+        ("bn_bwd", "backward", 1.0, [14, 10], [15]),
+    ]
+
+
+BN_SIZES = {1: MB, 2: 4, 3: 4, 10: 2 * MB, 11: 8 * MB, 12: MB, 13: 4, 14: MB, 15: MB, 16: 8 * MB}
+BN_ROLES = {1: "input", 2: "param", 3: "buffer"}
+
+
+def test_recompute_reruns_in_place_updates_and_batch_norm_on_scratch_statistics():
+    slow = dict(d2h_bw=1e3, h2d_bw=1e3)
+    tl = AccessTimeline.from_ops(_bn_relu_ops("aten.native_batch_norm.default"), BN_SIZES, BN_ROLES)
+    p = plan(tl, budget_bytes=13 * MB, **slow)
+    (r,) = [r for r in p.recomputes if r.sid == 11]
+    assert (r.producer_op, r.then_ops, r.scratch, r.sources) == (1, [2], [3], [10])
+    assert r.cost_ms == pytest.approx(2.0) and p.feasible
+    assert "recompute 11 (op 1, 2)" in str(p)
+    check_plan(tl, p)
+    # any other op that writes a tensor besides its output would repeat that write
+    other = AccessTimeline.from_ops(_bn_relu_ops("aten.foo.default"), BN_SIZES, BN_ROLES)
+    assert 11 not in [r.sid for r in plan(other, budget_bytes=13 * MB, **slow).recomputes]
+
+
+def test_a_recompute_may_read_a_dropped_tensor_that_is_rebuilt_first():
+    tl = AccessTimeline.from_ops(_bn_relu_ops("aten.native_batch_norm.default"), BN_SIZES, BN_ROLES)
+    p = plan(tl, budget_bytes=1, d2h_bw=1e3, h2d_bw=1e3)
+    by_sid = {r.sid: r for r in p.recomputes}
+    assert {10, 11} <= set(by_sid)
+    # 10 is read again only by op 6, but 11's rebuild (before op 5) reads it: rebuilt by 5
+    assert by_sid[11].sources == [10] and by_sid[10].before_op == by_sid[11].before_op == 5
     check_plan(tl, p)
