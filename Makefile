@@ -31,6 +31,7 @@ reproduce: venv
 
 analysis: venv
 	$(PY) -m experiments.analysis
+	$(PY) -m experiments.tensile_plans
 
 report: venv
 	$(PY) -m experiments.report

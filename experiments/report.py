@@ -4,7 +4,8 @@
     python -m experiments.report --gpu h200      # one GPU
 
 Reads ``results/<gpu>/*.csv`` (rows of :mod:`experiments.store`), ``results/analysis/streams.csv``
-(the stream analysis) and ``results/paper/*.csv`` (the papers' figures as data) and writes
+(the stream analysis), ``results/analysis/tensile_plans.csv`` (TENSILE's plans worked out on the
+CPU) and ``results/paper/*.csv`` (the papers' figures as data) and writes
 ``results/<gpu>/report.md`` with PNG plots beside it.
 
 Smoke rows — CPU runs, or fewer warm-ups / timed iterations than the protocol (timing=quick) —
@@ -526,6 +527,20 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
     return pd.DataFrame(lines)
 
 
+def tensile_cpu_plans(plans: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The plans of ``results/analysis/tensile_plans.csv`` (:mod:`experiments.tensile_plans`),
+    one line per ok row, beside the authors' MSR / EOR at the same model and batch."""
+    ok = plans[plans["status"] == "ok"]
+    cols = ["model", "batch_size", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
+            "planned_msr", "est_eor", "recomputes", "with_in_place", "rebuilt_first", "commit"]
+    out = ok[[c for c in cols if c in ok.columns]].copy()
+    if paper is not None:
+        theirs = paper[["model", "batch_size", "msr", "eor"]].rename(
+            columns={"msr": "paper_msr", "eor": "paper_eor"})
+        out = out.merge(theirs, on=["model", "batch_size"], how="left")
+    return out
+
+
 def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
     """One line per setting of the several-jobs experiment (its ``GPU`` row): device-level MSR
     and EOR, re-plans, and means over its jobs of the allocator MSR, cold-start MSR and
@@ -950,6 +965,16 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "target if any, else the one that saves the most memory.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
         figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile)
+        plans = _read_csv(results_dir / "analysis" / "tensile_plans.csv")
+        if plans is not None and (plans["status"] == "ok").any():
+            md += ["### What the planner promises for a captured step, worked out on the CPU", "",
+                   "`python -m experiments.tensile_plans`: a step recorded on the CPU, op times scaled "
+                   "to the captured vanilla step measured here, copies at the bandwidths measured "
+                   "here, planned without swaps across iterations (as a captured step needs). "
+                   "Planned, not measured: the rows above say what plans keep on the GPU. "
+                   "with_in_place = recomputes that rerun in-place updates too; rebuilt_first = "
+                   "recomputes that rebuild a dropped input first.", "",
+                   md_table(tensile_cpu_plans(plans, paper_tensile).round(3)), ""]
         check = tensile_plan_check(df)
         if len(check):
             md += ["### What the plans assumed against what the GPU did", "",

@@ -4,9 +4,12 @@
 
 On a CUDA host: the stream analysis, each sweep preset through the Hydra app in a subprocess
 (``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
-measured are skipped), one profiler trace for the per-stream timeline, then the report.
+measured are skipped), TENSILE's plans worked out on the CPU for this GPU's step times, the
+several-jobs settings, the concurrency headroom, one profiler trace for the per-stream
+timeline, then the report.
 
-On a host without CUDA: the stream analysis, the CPU-capable backends on one small model with
+On a host without CUDA: the stream analysis, TENSILE's plans for the H200's committed step
+times (:mod:`experiments.tensile_plans`), the CPU-capable backends on one small model with
 quick timing (rows in ``results/cpu/inference.csv``, smoke rows by definition), the report rebuilt
 from the committed results, and a plain list of what was not run and why.
 """
@@ -57,22 +60,29 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
                 [sys.executable, "-m", "experiments.analysis", "--out", str(RESULTS / "analysis")])
     report = ("report from the raw rows", [sys.executable, "-m", "experiments.report",
                                            "--results", str(RESULTS)])
+
+    def tensile_plans(gpu: str) -> tuple[str, list[str]]:
+        return (f"TENSILE plans of captured steps, worked out on the CPU (step times of {gpu})",
+                [sys.executable, "-m", "experiments.tensile_plans", "--gpu", gpu,
+                 "--results", str(RESULTS), "--out", str(RESULTS / "analysis")])
     if cuda:
+        from experiments.env import gpu_slug
         steps = [analysis]
         steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
+        steps.append(tensile_plans(gpu_slug()))
         steps += [(f"TENSILE, several jobs: {' '.join(args)}",
                    [sys.executable, "-m", "experiments.tensile_multi", *args])
                   for args in TENSILE_MULTI]
         steps.append(("concurrency headroom: K model copies, one stream vs K streams",
                       [sys.executable, "-m", "experiments.headroom", *HEADROOM,
                        "--results", str(RESULTS)]))
-        from experiments.env import gpu_slug
         trace = RESULTS / gpu_slug() / f"trace_{TRACE_MODEL}_nimble.json"
         if not trace.exists():  # re-measures one row (redo) to record its trace
             steps.append((f"profiler trace of {TRACE_MODEL} (per-stream timeline)",
                           _app(f"model={TRACE_MODEL}", "backends=[nimble]", "trace=true", "redo=true")))
         return steps + [report], []
-    steps = [analysis, ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
+    steps = [analysis, tensile_plans("h200"), ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)),
+             report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")

@@ -1,0 +1,188 @@
+"""What TENSILE's planner promises for a captured training step, worked out on the CPU.
+
+    python -m experiments.tensile_plans [--models resnet50,densenet121,inception_v3]
+        [--batch-size 16] [--max-overhead 0,0.05,0.1,0.3] [--gpu h200] [--out results/analysis]
+
+Per model: one training step (Adam; inputs and classes of ``conf/experiment/tensile.yaml``;
+random weights and batch) is recorded on the CPU (:func:`tensile.record_step`); every op gets its roofline time, scaled so that
+the step lasts as long as the captured vanilla step measured on ``--gpu`` (its
+``tensile_graph`` rows in ``results/<gpu>/tensile.csv``: ``mean_ms / (1 + eor_vs_graph)``),
+and the copies run at the bandwidths those rows measured. Then TENSILE plans it for each
+``max_overhead`` as a captured step needs it (no swaps across iterations) and the planned
+peak, planned MSR and estimated extra time are written to ``tensile_plans.csv`` (one row
+per model × max_overhead, with the environment) and ``tensile_plans.md``.
+
+These are promises, not measurements: the GPU rows say what a plan keeps (the report's
+"What the plans assumed against what the GPU did"). They show where the planner stands
+without a GPU, and what a change to it is worth before a GPU runs it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from experiments.analysis import environment
+from experiments.models import MODELS, build_model, example_input, get_model
+from experiments.tensile_run import _drop_aux_head
+from tensile.estimate import estimate_op_times, scaled_op_times
+from tensile.planner import plan
+from tensile.record import record_step
+from tensile.step import training_step
+
+__all__ = ["COLUMNS", "captured_step", "plan_model", "run_plans"]
+
+MB = 2 ** 20
+TENSILE_CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment" / "tensile.yaml"
+DEFAULT_MODELS = ("resnet50", "densenet121", "inception_v3")
+DEFAULT_OVERHEADS = (0.0, 0.05, 0.1, 0.3)
+# Roofline rates that shape the op times when no GPU row gives them (H200 nominal: fp32
+# ~60 TFLOP/s, HBM3e 4.8 TB/s); only the shape matters once the step is scaled.
+DEFAULT_TFLOPS, DEFAULT_TBPS, DEFAULT_GBPS = 60.0, 4.8, 50.0
+
+COLUMNS = [
+    "model", "batch_size", "max_overhead", "step_ms", "step_source", "d2h_gbps", "h2d_gbps",
+    "ops", "vanilla_peak_mb", "planned_peak_mb", "planned_msr", "est_eor", "swaps", "recomputes",
+    "with_in_place", "rebuilt_first", "on_scratch", "planner_ms", "record_s", "status", "error",
+    "torch", "torchvision", "timm", "commit", "date",
+]
+
+
+def captured_step(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
+    """The latest ``tensile_graph`` row of ``model`` at ``batch_size`` in ``gpu_dir``: the
+    captured vanilla step's time, the copy bandwidths measured and the peak rate; None
+    when there is none."""
+    path = gpu_dir / "tensile.csv"
+    if not path.exists():
+        return None
+    df = pd.read_csv(path)
+    rows = df[(df["model"] == model) & (df["batch_size"] == batch_size) & (df["status"] == "ok")
+              & df["backend"].astype(str).str.match(r"tensile_graph($|\()")]
+    for _, r in rows.sort_values("date", ascending=False).iterrows():
+        extra = json.loads(r["extra"]) if isinstance(r["extra"], str) and r["extra"] else {}
+        if extra.get("eor_vs_graph") is None:
+            continue
+        return {"step_ms": float(r["mean_ms"]) / (1 + float(extra["eor_vs_graph"])),
+                "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),
+                "h2d_gbps": extra.get("h2d_gbps_measured") or extra.get("h2d_gbps"),
+                "tflops": extra.get("peak_tflops"), "date": r["date"]}
+    return None
+
+
+def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path | None) -> list[dict]:
+    """Record ``name`` on the CPU and plan it for every ``max_overhead``: one row each."""
+    base = {"model": name, "batch_size": batch_size}
+    try:
+        measured = captured_step(gpu_dir, name, batch_size) if gpu_dir is not None else None
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        exp = OmegaConf.load(TENSILE_CONF)   # the TENSILE experiment's inputs and classes
+        model = _drop_aux_head(build_model(name, num_classes=exp.num_classes)).train()
+        opt = torch.optim.Adam(model.parameters(), lr=exp.lr)
+        batch = (example_input(name, batch_size, "cpu", image_size=exp.image_size),
+                 torch.randint(0, exp.num_classes, (batch_size,)))
+        training_step(model, opt, batch, torch.nn.functional.cross_entropy)  # Adam's state exists
+        rec = record_step(model, opt, batch, torch.nn.functional.cross_entropy)
+        record_s = time.perf_counter() - t0
+        tflops = (measured or {}).get("tflops") or DEFAULT_TFLOPS
+        shape = estimate_op_times(rec.graph, tflops * 1e12, DEFAULT_TBPS * 1e12)
+        step_ms = measured["step_ms"] if measured else sum(shape)
+        tl = rec.timeline(scaled_op_times(shape, step_ms))
+        d2h = float((measured or {}).get("d2h_gbps") or DEFAULT_GBPS)
+        h2d = float((measured or {}).get("h2d_gbps") or DEFAULT_GBPS)
+    except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
+        return [{**base, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}]
+    source = f"tensile_graph row of {measured['date'][:10]}" if measured else "roofline (no GPU row)"
+    rows = []
+    for mo in overheads:
+        p = plan(tl, d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9, max_overhead=mo,
+                 allow_cross_iteration=False, min_bytes=1 << 16)
+        rebuilt = {r.sid for r in p.recomputes}
+        rows.append({
+            **base, "max_overhead": mo, "step_ms": round(step_ms, 3), "step_source": source,
+            "d2h_gbps": round(d2h, 2), "h2d_gbps": round(h2d, 2), "ops": tl.num_ops,
+            "vanilla_peak_mb": round(p.peak_before / MB, 1),
+            "planned_peak_mb": round(p.peak_after / MB, 1),
+            "planned_msr": round(1 - p.peak_after / p.peak_before, 4),
+            "est_eor": round(p.est_overhead_ms / tl.iteration_ms, 4),
+            "swaps": len(p.swaps), "recomputes": len(p.recomputes),
+            "with_in_place": sum(bool(r.then_ops) for r in p.recomputes),
+            "rebuilt_first": sum(bool(set(r.sources) & rebuilt) for r in p.recomputes),
+            "on_scratch": sum(bool(r.scratch) for r in p.recomputes),
+            "planner_ms": round(p.planner_ms, 1), "record_s": round(record_s, 1),
+            "status": "ok", "error": ""})
+    return rows
+
+
+def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
+              overheads: list[float] = list(DEFAULT_OVERHEADS), gpu_dir: str | Path | None = None
+              ) -> pd.DataFrame:
+    """Plan ``names`` in order; write ``tensile_plans.csv`` and ``.md`` into ``out_dir``."""
+    for name in names:
+        get_model(name)                  # unknown names fail before any work
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not overheads or any(not 0 <= mo for mo in overheads):
+        raise ValueError(f"max_overhead values must be fractions >= 0, got {overheads}")
+    gpu = Path(gpu_dir) if gpu_dir is not None else None
+    env = environment()
+    rows = []
+    bar = tqdm(names, desc="TENSILE plans", unit="model")
+    for name in bar:
+        bar.set_postfix_str(name)
+        rows.extend(plan_model(name, batch_size, overheads, gpu))
+    df = pd.DataFrame([{**r, **env} for r in rows], columns=COLUMNS)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "tensile_plans.csv", index=False)
+    shown = df[["model", "batch_size", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
+                "planned_msr", "est_eor", "swaps", "recomputes", "with_in_place", "rebuilt_first",
+                "on_scratch", "status"]]
+    (out / "tensile_plans.md").write_text(
+        "# TENSILE plans of captured steps, worked out on the CPU\n\n"
+        f"Written by `python -m experiments.tensile_plans` (commit {env['commit']}, {env['date']}, "
+        f"torch {env['torch']}). Promises of the planner, not measurements: see the module "
+        "docstring.\n\n" + shown.to_markdown(index=False) + "\n")
+    return df
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated names")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-overhead", default=",".join(map(str, DEFAULT_OVERHEADS)),
+                        help="comma-separated fractions of the step time (default %(default)s)")
+    parser.add_argument("--gpu", default="h200",
+                        help="results/<gpu>/ whose tensile_graph rows give step time and bandwidths")
+    parser.add_argument("--results", default="results", help="the results folder")
+    parser.add_argument("--out", default="results/analysis", help="output folder")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        parser.error(f"unknown or missing model names {unknown}; valid names: {', '.join(MODELS)}")
+    try:
+        overheads = [float(x) for x in args.max_overhead.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--max-overhead takes comma-separated numbers, got {args.max_overhead!r}")
+    if args.batch_size < 1 or not overheads or min(overheads) < 0:
+        parser.error(f"--batch-size must be >= 1 and --max-overhead values >= 0, got "
+                     f"{args.batch_size} and {args.max_overhead!r}")
+    df = run_plans(names, args.out, args.batch_size, overheads, Path(args.results) / args.gpu)
+    failed = df[df["status"] != "ok"]
+    print(f"wrote {Path(args.out) / 'tensile_plans.csv'} and tensile_plans.md: "
+          f"{len(df) - len(failed)} ok, {len(failed)} error(s)")
+    for _, row in failed.iterrows():
+        print(f"  {row['model']}: {row['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
