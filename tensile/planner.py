@@ -18,8 +18,9 @@ Each round:
 4. commit one tensor, update the memory curve, repeat.
 
 It stops when the budget is met, or, without a budget, when neither a hidden swap nor a
-recomputation within the allowance lowers the current peak. ``max_overhead=0`` (the
-default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small
+recomputation within the allowance lowers the current peak. Where recomputation may run,
+the rounds run twice, with swaps and without, and the better plan is kept (:func:`plan`).
+``max_overhead=0`` (the default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small
 allowance buys much more: recomputing cheap activations (batch norm and ReLU outputs)
 frees memory that copies could not move in time. Each direction is one channel whose busy
 intervals never overlap. Failed placements are remembered per (tensor, peak op): channels
@@ -65,6 +66,33 @@ def plan(
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_max_overhead(max_overhead)
     t0 = time.perf_counter()
+    args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
+            copy_latency_ms, min_bytes, max_overhead)
+    best = _greedy(*args, allow_swaps=True)
+    if allow_recompute and (budget_bytes is not None or max_overhead > 0):
+        # Swaps first is TENSILE's order, but a swapped tensor cannot feed a recompute and
+        # is back (in memory) before its use: where recomputation may do the work, a plan
+        # without swaps can peak lower. Keep the better plan: feasible, lower peak, less
+        # extra time.
+        other = _greedy(*args, allow_swaps=False)
+        if _rank(other, budget_bytes) < _rank(best, budget_bytes):
+            best = other
+    best.planner_ms = (time.perf_counter() - t0) * 1e3
+    return best
+
+
+def _rank(p: Plan, budget_bytes: int | None) -> tuple:
+    """Sort key of plans, best first: feasible, then (no budget, or none met) the lower
+    peak, then less extra time, then fewer copies."""
+    return (not p.feasible, p.peak_after if budget_bytes is None or not p.feasible else 0,
+            p.est_overhead_ms, len(p.swaps))
+
+
+def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h2d_bw: float,
+            allow_recompute: bool, allow_cross_iteration: bool, copy_latency_ms: float,
+            min_bytes: int, max_overhead: float, allow_swaps: bool) -> Plan:
+    """One run of the greedy peak shaving (the module docstring); ``allow_swaps=False``:
+    recomputation only."""
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
     failed: set[tuple[int, int]] = set()
@@ -72,7 +100,7 @@ def plan(
         p = int(np.argmax(st.mem))
         if budget_bytes is not None and st.mem[p] <= budget_bytes:
             break
-        if st.try_swap(p, allow_cross_iteration, min_bytes, failed):
+        if allow_swaps and st.try_swap(p, allow_cross_iteration, min_bytes, failed):
             continue
         if not allow_recompute or not st.try_recompute(
                 p, min_bytes, st.recompute_allowance_ms(budget_bytes, max_overhead)):
@@ -96,7 +124,6 @@ def plan(
     replay = simulate(timeline, result)
     if not np.array_equal(replay.curve, st.mem):
         raise AssertionError("TENSILE planner bug: incremental memory curve differs from replay")
-    result.planner_ms = (time.perf_counter() - t0) * 1e3
     return result
 
 
@@ -296,7 +323,7 @@ class PlanState:
             if not p < j:
                 continue
             r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt)
-            if r is None or r.cost_ms > max_cost_ms + EPS:
+            if r is None or r.cost_ms > max_cost_ms + EPS or not self._keeps_below(r, p):
                 continue
             score = r.nbytes / r.cost_ms
             if best is None or score > best[0]:
@@ -309,18 +336,35 @@ class PlanState:
         self.recompute_ms += r.cost_ms
         self.commit(r.sid, r.release_after_op + 1, r.before_op - 1)
         self.pinned[self.row[r.sid]] = False
+        for first, old in self._early_rebuilds(r):
+            # a dropped source is rebuilt first, and then stays until its own use
+            self.mem[r.before_op:old] += first.nbytes
+            first.before_op = r.before_op
         for src in r.sources:
             self.dependents.setdefault(src, []).append(r)
             if src not in self.moved:  # never swapped: they must be there for the recompute
                 self.free[self.row[src]] = False
                 self.pinned[self.row[src]] = True
-            first = self.rebuilt.get(src)
-            if first is not None and first.before_op > r.before_op:
-                # a dropped source is rebuilt first, and then stays until its own use
-                self.mem[r.before_op:first.before_op] += first.nbytes
-                first.before_op = r.before_op
         return True
 
+
+    def _early_rebuilds(self, r: Recompute) -> list[tuple[Recompute, int]]:
+        """The recomputed sources of ``r`` that must now be rebuilt earlier, by its
+        ``before_op``: (their recompute, their current ``before_op``)."""
+        return [(self.rebuilt[s], self.rebuilt[s].before_op) for s in r.sources
+                if s in self.rebuilt and self.rebuilt[s].before_op > r.before_op]
+
+    def _keeps_below(self, r: Recompute, p: int) -> bool:
+        """Would the memory that sources rebuilt early add (they stay from ``r``'s rebuild
+        to their own use) stay below the current peak at ``p``? Else ``r`` only moves it."""
+        early = self._early_rebuilds(r)
+        if not early:
+            return True
+        end = max(old for _, old in early)
+        added = np.zeros(end - r.before_op, dtype=np.int64)
+        for src, old in early:
+            added[:old - r.before_op] += src.nbytes
+        return int((self.mem[r.before_op:end] + added).max()) < int(self.mem[p])
 
 
 # Batch-norm ops update their running statistics in training mode, and their output does

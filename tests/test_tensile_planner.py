@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensile.plan import Plan, Recompute, Swap
-from tensile.planner import plan
+from tensile.planner import _greedy, plan
 from tensile.simulate import absent_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
@@ -221,7 +221,19 @@ def test_recompute_plans_when_swaps_cannot_hide(tl, bw, frac):
     budget = max(1, int(frac * tl.vanilla_curve().max()))
     p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False)
     check_plan(tl, p)
-    assert p.est_overhead_ms == pytest.approx(sum(tl.op_ms[r.producer_op] for r in p.recomputes))
+    assert p.est_overhead_ms == pytest.approx(
+        sum(tl.op_ms[k] for r in p.recomputes for k in [r.producer_op, *r.then_ops]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(tl=timelines(), bw=bandwidths, overhead=st.floats(0.01, 0.5))
+def test_the_plan_is_the_better_of_swaps_first_and_recompute_only(tl, bw, overhead):
+    args = (tl, None, bw, bw, True, True, 0.01, 1, overhead)
+    swaps_first, recompute_only = _greedy(*args, allow_swaps=True), _greedy(*args, allow_swaps=False)
+    assert not recompute_only.swaps
+    p = plan(tl, d2h_bw=bw, h2d_bw=bw, max_overhead=overhead)
+    assert p.peak_after == min(swaps_first.peak_after, recompute_only.peak_after)
+    check_plan(tl, p, max_overhead=overhead)
 
 
 @settings(max_examples=60, deadline=None)
