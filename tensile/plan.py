@@ -53,7 +53,10 @@ class Recompute:
     unmodified until ``before_op``. ``scratch`` are storages the producer also writes
     (a batch norm's running statistics in training mode): the rerun writes them in
     scratch copies, so the step's real ones are updated once, as without the plan.
-    ``cost_ms`` is the time of all rerun ops.
+    ``transient`` are recomputed tensors that this rebuild reads but that are not back
+    yet (their own ``before_op`` is later): they are rebuilt for it and dropped again
+    right after (present, for the memory count, during ``before_op``). ``cost_ms`` is
+    the time of all rerun ops, theirs included.
     """
 
     sid: int
@@ -65,6 +68,7 @@ class Recompute:
     sources: list[int] = field(default_factory=list)
     then_ops: list[int] = field(default_factory=list)
     scratch: list[int] = field(default_factory=list)
+    transient: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -111,7 +115,8 @@ class Plan:
         acts: dict[int, list[tuple[int, float, str]]] = defaultdict(list)
         for r in self.recomputes:
             ops = ", ".join(map(str, [r.producer_op, *r.then_ops]))
-            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {ops})"))
+            also = f"; rebuilding {', '.join(map(str, r.transient))} for it" if r.transient else ""
+            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {ops}{also})"))
             acts[r.release_after_op].append((2, 0.0, f"after: release {r.sid}"))
         for s in self.swaps:
             tag = " [next iteration]" if s.cross_iteration else ""

@@ -68,15 +68,17 @@ def plan(
     t0 = time.perf_counter()
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
             copy_latency_ms, min_bytes, max_overhead)
-    best = _greedy(*args, allow_swaps=True)
+    best = _greedy(*args, allow_swaps=True, transient=True)
     if allow_recompute and (budget_bytes is not None or max_overhead > 0):
         # Swaps first is TENSILE's order, but a swapped tensor cannot feed a recompute and
         # is back (in memory) before its use: where recomputation may do the work, a plan
-        # without swaps can peak lower. Keep the better plan: feasible, lower peak, less
-        # extra time.
-        other = _greedy(*args, allow_swaps=False)
-        if _rank(other, budget_bytes) < _rank(best, budget_bytes):
-            best = other
+        # without swaps can peak lower. Rebuilding an input for one recompute alone keeps
+        # memory down but spends allowance that other recomputes could use. Keep the best
+        # plan of the four: feasible, lower peak, less extra time.
+        for swaps, transient in ((True, False), (False, True), (False, False)):
+            other = _greedy(*args, allow_swaps=swaps, transient=transient)
+            if _rank(other, budget_bytes) < _rank(best, budget_bytes):
+                best = other
     best.planner_ms = (time.perf_counter() - t0) * 1e3
     return best
 
@@ -90,10 +92,12 @@ def _rank(p: Plan, budget_bytes: int | None) -> tuple:
 
 def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h2d_bw: float,
             allow_recompute: bool, allow_cross_iteration: bool, copy_latency_ms: float,
-            min_bytes: int, max_overhead: float, allow_swaps: bool) -> Plan:
+            min_bytes: int, max_overhead: float, allow_swaps: bool, transient: bool = True) -> Plan:
     """One run of the greedy peak shaving (the module docstring); ``allow_swaps=False``:
-    recomputation only."""
+    recomputation only; ``transient=False``: a recompute's dropped inputs are always rebuilt
+    early and kept (see :meth:`PlanState.try_recompute`)."""
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
+    st.transient_ok = transient
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
     failed: set[tuple[int, int]] = set()
     while timeline.num_ops:
@@ -205,6 +209,9 @@ class PlanState:
         self.swaps: list[Swap] = []
         self.recomputes: list[Recompute] = []
         self.recompute_ms = 0.0   # the recomputes' cost so far
+        self.transient_ok = True  # may rebuild a recompute's dropped inputs for it alone
+        self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
+        self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
 
     # -------------------------------------------------------------- helpers
     def resident_candidates(self, p: int, min_bytes: int, pinned_too: bool = False) -> list[int]:
@@ -315,15 +322,17 @@ class PlanState:
         tl = self.tl
         best: tuple[float, Recompute] | None = None
         for sid in self.resident_candidates(p, min_bytes, pinned_too=True):
-            gap = tl.backward_gap(sid)
+            gap = self.gaps.get(sid, False)
+            if gap is False:
+                gap = self.gaps[sid] = tl.backward_gap(sid)
             if tl.tensors[sid].persistent or gap is None or not gap[0] < p < gap[1]:
                 continue
             # a source of recomputes already planned must be back (rebuilt) before theirs
             j = min([gap[1]] + [d.before_op for d in self.dependents.get(sid, [])])
             if not p < j:
                 continue
-            r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt)
-            if r is None or r.cost_ms > max_cost_ms + EPS or not self._keeps_below(r, p):
+            r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops)
+            if r is None or not self._affordable(r, p, max_cost_ms):
                 continue
             score = r.nbytes / r.cost_ms
             if best is None or score > best[0]:
@@ -336,10 +345,19 @@ class PlanState:
         self.recompute_ms += r.cost_ms
         self.commit(r.sid, r.release_after_op + 1, r.before_op - 1)
         self.pinned[self.row[r.sid]] = False
-        for first, old in self._early_rebuilds(r):
-            # a dropped source is rebuilt first, and then stays until its own use
-            self.mem[r.before_op:old] += first.nbytes
-            first.before_op = r.before_op
+        if r.transient:   # rebuilt for r alone, then dropped again
+            self.mem[r.before_op] += sum(self.rebuilt[s].nbytes for s in r.transient)
+        else:
+            for first, old in self._early_rebuilds(r):
+                # a dropped source is rebuilt first, and then stays until its own use
+                self.mem[r.before_op:old] += first.nbytes
+                first.before_op = r.before_op
+                if first.transient:  # they are rebuilt early too (in the same list): kept
+                    self.mem[old] -= sum(self.rebuilt[s].nbytes for s in first.transient)
+                    saved = sum(self._chain_ms(self.rebuilt[s]) for s in first.transient)
+                    first.cost_ms -= saved
+                    self.recompute_ms -= saved
+                    first.transient = []
         for src in r.sources:
             self.dependents.setdefault(src, []).append(r)
             if src not in self.moved:  # never swapped: they must be there for the recompute
@@ -348,11 +366,41 @@ class PlanState:
         return True
 
 
+    def _affordable(self, r: Recompute, p: int, max_cost_ms: float) -> bool:
+        """Can ``r`` lower the peak at ``p`` within ``max_cost_ms``? Its sources that are
+        recomputed but not back by its ``before_op`` are rebuilt for it alone (``r`` then
+        lists them as ``transient`` and pays for them) if that fits the allowance and the
+        momentary memory stays below the peak, else rebuilt early and kept until their
+        own use, if the memory they add stays below the peak."""
+        later = self._not_back_by(r)
+        if later and self.transient_ok:
+            cost = r.cost_ms + sum(self._chain_ms(q) for q in later)
+            extra = sum(q.nbytes for q in later)
+            if cost <= max_cost_ms + EPS and int(self.mem[r.before_op]) + extra < int(self.mem[p]):
+                r.cost_ms, r.transient = cost, sorted(q.sid for q in later)
+                return True
+        return r.cost_ms <= max_cost_ms + EPS and self._keeps_below(r, p)
+
+    def _not_back_by(self, r: Recompute) -> list[Recompute]:
+        """The recomputed tensors ``r``'s rebuild reads, directly or through them, whose
+        own rebuild comes after ``r``'s."""
+        found: dict[int, Recompute] = {}
+        todo = list(r.sources)
+        while todo:
+            q = self.rebuilt.get(todo.pop())
+            if q is not None and q.before_op > r.before_op and q.sid not in found:
+                found[q.sid] = q
+                todo.extend(q.sources)
+        return list(found.values())
+
+    def _chain_ms(self, q: Recompute) -> float:
+        """The time of ``q``'s own rerun ops (its producer and in-place updates)."""
+        return float(sum(self.tl.op_ms[k] for k in [q.producer_op, *q.then_ops]))
+
     def _early_rebuilds(self, r: Recompute) -> list[tuple[Recompute, int]]:
-        """The recomputed sources of ``r`` that must now be rebuilt earlier, by its
-        ``before_op``: (their recompute, their current ``before_op``)."""
-        return [(self.rebuilt[s], self.rebuilt[s].before_op) for s in r.sources
-                if s in self.rebuilt and self.rebuilt[s].before_op > r.before_op]
+        """The recomputed tensors ``r`` reads (directly or through them) that must now be
+        rebuilt earlier, by its ``before_op``: (their recompute, their ``before_op`` now)."""
+        return [(q, q.before_op) for q in self._not_back_by(r)]
 
     def _keeps_below(self, r: Recompute, p: int) -> bool:
         """Would the memory that sources rebuilt early add (they stay from ``r``'s rebuild
@@ -374,7 +422,8 @@ SCRATCH_OK = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_n
 
 
 def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
-                 rebuilt: dict[int, Recompute] | None = None) -> Recompute | None:
+                 rebuilt: dict[int, Recompute] | None = None,
+                 cache: dict[int, tuple | None] | None = None) -> Recompute | None:
     """How to rebuild activation ``sid``, dropped after op ``i``, before op ``j``; None
     where the runtime cannot.
 
@@ -386,8 +435,31 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     resident then: not ``moved``, or itself recomputed (in ``rebuilt``), in which case
     it is rebuilt first, by op ``j``, and stays until its own use (the caller moves its
     ``before_op``). Chains of recomputes rebuild a run of layers from one kept tensor,
-    as activation checkpointing does.
+    as activation checkpointing does. ``cache`` keeps what does not change between calls
+    for one ``sid`` and ``i`` (a planner's rounds ask again and again).
     """
+    if cache is not None and sid in cache:
+        ops = cache[sid]
+    else:
+        ops = _rerun_ops(tl, sid, i)
+        if cache is not None:
+            cache[sid] = ops
+    if ops is None:
+        return None
+    prod, then, scratch, sources = ops
+    for src in sources:
+        s = tl.tensors[src]
+        gone = src in moved and (rebuilt is None or src not in rebuilt)
+        if gone or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
+            return None                   # it would not be there, unchanged, at op j
+    return Recompute(sid=sid, nbytes=tl.tensors[sid].nbytes, producer_op=prod, release_after_op=i,
+                     before_op=j, cost_ms=float(sum(tl.op_ms[k] for k in [prod, *then])),
+                     sources=list(sources), then_ops=list(then), scratch=list(scratch))
+
+
+def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
+    """The part of :func:`recompute_of` that depends on the timeline alone: (producer,
+    in-place updates, scratch storages, sources), or None where no rerun can rebuild it."""
     t = tl.tensors[sid]
     prod, then = t.writes[0], t.writes[1:]
     if any(k > i for k in then):
@@ -403,14 +475,7 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
         return None
     sources = list(dict.fromkeys(r for k in chain for r in tl.reads[k]
                                  if r != sid and r not in scratch))
-    for src in sources:
-        s = tl.tensors[src]
-        gone = src in moved and (rebuilt is None or src not in rebuilt)
-        if gone or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
-            return None                   # it would not be there, unchanged, at op j
-    return Recompute(sid=sid, nbytes=t.nbytes, producer_op=prod, release_after_op=i,
-                     before_op=j, cost_ms=float(sum(tl.op_ms[k] for k in chain)),
-                     sources=sources, then_ops=list(then), scratch=scratch)
+    return prod, then, scratch, sources
 
 
 def check_max_overhead(max_overhead) -> None:

@@ -44,7 +44,8 @@ Mechanism (reference §9, §11):
   when they run, the tensor itself kept as a placeholder). A batch norm reruns on
   copies of its running statistics (it updated the real ones once already). An input
   that is itself a managed activation is kept as a reference to its entry, not to its
-  memory, and brought back first (recomputed or copied in) when the recompute runs;
+  memory, and brought back first (recomputed or copied in) when the recompute runs, or,
+  where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
 * parameters swapped across the iteration boundary are copied out after their update
   and become pinned host tensors (``p.data``) when the *next* step starts, so between
   steps every parameter is the valid device tensor and no host synchronisation is
@@ -829,15 +830,19 @@ class PlanRunner:
             return x
         return tree_map(keep, (args, kwargs))
 
-    def _replay_args(self, tree, own: torch.Tensor | None = None):
-        """Resolve a recipe's placeholders: ``own`` is the rebuilt tensor's bytes."""
+    def _replay_args(self, tree, transient: set[int], own: torch.Tensor | None = None):
+        """Resolve a recipe's placeholders: ``own`` is the rebuilt tensor's bytes; a
+        released managed input in ``transient`` is rebuilt for this call only."""
         def real(x):
             if isinstance(x, _Own):
                 return _view(own, x.meta)
             if isinstance(x, _Scratch):
                 return x.tensor.clone()
             if isinstance(x, _Ref):
-                return _view(self._bring_back(x.entry), x.meta)
+                e = x.entry
+                if e.data is None and e.sid in transient and e.recipe is not None:
+                    return _view(self._rerun(e, transient), x.meta)
+                return _view(self._bring_back(e), x.meta)
             return x
         return tree_map(real, tree, is_leaf=lambda x: isinstance(x, (_Own, _Scratch, _Ref)))
 
@@ -1091,22 +1096,28 @@ class PlanRunner:
         return e.data
 
     def _recompute(self, e: _Entry) -> None:
-        """Rerun ``e``'s producer, then the in-place updates that followed it in forward;
-        a managed input released meanwhile is brought back first (a chain of recomputes)."""
+        """Rebuild ``e`` for good (:meth:`_rerun`) and drop its recipe with the sources."""
+        data = self._rerun(e, set(e.recompute.transient))
+        if e.orig is not None and not e.orig.expired():
+            self.stats.ineffective_releases += 1
+        e.data, e.recipe, e.then, e.orig = data, None, [], None  # drop the sources
+        self.stats.recomputes += 1
+
+    def _rerun(self, e: _Entry, transient: set[int]) -> torch.Tensor:
+        """``e``'s bytes, rebuilt: its producer, then the in-place updates that followed it
+        in forward. A managed input released meanwhile is brought back first (a chain of
+        recomputes), for this rebuild alone if it is in ``transient``."""
         func, args, kwargs, pos = e.recipe
         with torch.no_grad():
-            out = func(*self._replay_args(args), **self._replay_args(kwargs))
+            out = func(*self._replay_args(args, transient), **self._replay_args(kwargs, transient))
             t = device_tensors(out, self.device.type)[pos]
             if t.untyped_storage().nbytes() != e.nbytes:
                 raise PlanMismatchError(f"recomputing storage {e.sid}: got "
                                         f"{t.untyped_storage().nbytes()} bytes, recorded {e.nbytes}")
             data = _bytes_of(t)
             for f, a, kw in e.then:
-                f(*self._replay_args(a, data), **self._replay_args(kw, data))
-        if e.orig is not None and not e.orig.expired():
-            self.stats.ineffective_releases += 1
-        e.data, e.recipe, e.then, e.orig = data, None, [], None  # drop the sources
-        self.stats.recomputes += 1
+                f(*self._replay_args(a, transient, data), **self._replay_args(kw, transient, data))
+        return data
 
     # ================================================================== objects
     def _persistent_obj(self, sid: int) -> torch.Tensor | None:

@@ -9,7 +9,8 @@ per op, conservatively:
   allocates its device buffer when it is issued);
 * cross-iteration swap: gone from op 0 of the (next) iteration up to ``in_issue_op``, or,
   when its copy-out runs past the iteration end, from the first op that starts after it;
-* recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive.
+* recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive; the
+  inputs rebuilt only for it (``transient``) count once more during ``before_op``.
 """
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
             if a <= b:
                 diff[a] -= t.nbytes
                 diff[b + 1] += t.nbytes
+    for r in plan.recomputes if plan is not None else []:
+        if r.transient:   # inputs rebuilt only for this recompute, gone right after it
+            extra = sum(timeline.tensors[s].nbytes for s in r.transient)
+            diff[r.before_op] += extra
+            diff[r.before_op + 1] -= extra
     curve = np.cumsum(diff[:-1])
     k = int(np.argmax(curve)) if n else 0
     return SimResult(curve=curve, peak=int(curve[k]) if n else 0, peak_op=k)

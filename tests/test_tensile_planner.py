@@ -159,7 +159,9 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     assert all(k <= r.release_after_op for k in r.then_ops), "updated in place after its release"
     assert all(tl.writes[k] == [r.sid] for k in r.then_ops), "an in-place update writes more"
     assert not any(tl.random[k] for k in chain)
-    assert r.cost_ms == pytest.approx(sum(tl.op_ms[k] for k in chain))
+    rebuilt = {q.sid: q for q in p.recomputes}
+    also = [k for s in r.transient for k in [rebuilt[s].producer_op, *rebuilt[s].then_ops]]
+    assert r.cost_ms == pytest.approx(sum(tl.op_ms[k] for k in chain + also))
     assert r.scratch == [s for s in tl.writes[r.producer_op]
                          if s != r.sid and (tl.tensors[s].persistent or tl.tensors[s].writes[0] != r.producer_op)]
     before = [a for a in t.accesses if a < r.before_op]
@@ -167,12 +169,15 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     assert not [a for a in t.accesses if r.release_after_op < a < r.before_op]
     assert r.before_op <= tl.backward_gap(r.sid)[1]
     swapped = {s.sid for s in p.swaps}
-    rebuilt = {q.sid: q for q in p.recomputes}
+    assert set(r.transient) <= set(rebuilt)   # rebuilt for r alone, dropped again after
+    for q in [r] + [rebuilt[s] for s in r.transient]:
+        for src in q.sources:     # every input of a rebuild at r.before_op is there then
+            if src in rebuilt:
+                assert rebuilt[src].before_op <= r.before_op or src in r.transient, \
+                    "a source is rebuilt after its reader"
     for src in r.sources:
         st_ = tl.tensors[src]
         assert src not in swapped, "a recompute source is swapped"
-        if src in rebuilt:    # a chain: the source is rebuilt first
-            assert rebuilt[src].before_op <= r.before_op, "a source is rebuilt after its reader"
         assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
         assert not [w for w in st_.writes if r.producer_op < w <= r.before_op]
 
@@ -221,18 +226,21 @@ def test_recompute_plans_when_swaps_cannot_hide(tl, bw, frac):
     budget = max(1, int(frac * tl.vanilla_curve().max()))
     p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False)
     check_plan(tl, p)
+    rebuilt = {r.sid: r for r in p.recomputes}
     assert p.est_overhead_ms == pytest.approx(
-        sum(tl.op_ms[k] for r in p.recomputes for k in [r.producer_op, *r.then_ops]))
+        sum(tl.op_ms[k] for r in p.recomputes for q in [r, *(rebuilt[s] for s in r.transient)]
+            for k in [q.producer_op, *q.then_ops]))
 
 
 @settings(max_examples=60, deadline=None)
 @given(tl=timelines(), bw=bandwidths, overhead=st.floats(0.01, 0.5))
-def test_the_plan_is_the_better_of_swaps_first_and_recompute_only(tl, bw, overhead):
+def test_the_plan_is_the_best_of_swaps_first_or_not_and_transient_rebuilds_or_not(tl, bw, overhead):
     args = (tl, None, bw, bw, True, True, 0.01, 1, overhead)
-    swaps_first, recompute_only = _greedy(*args, allow_swaps=True), _greedy(*args, allow_swaps=False)
-    assert not recompute_only.swaps
+    runs = [_greedy(*args, allow_swaps=s, transient=t) for s in (True, False) for t in (True, False)]
+    assert not runs[2].swaps and not runs[3].swaps
+    assert not any(r.transient for r in runs[1].recomputes + runs[3].recomputes)
     p = plan(tl, d2h_bw=bw, h2d_bw=bw, max_overhead=overhead)
-    assert p.peak_after == min(swaps_first.peak_after, recompute_only.peak_after)
+    assert p.peak_after == min(r.peak_after for r in runs)
     check_plan(tl, p, max_overhead=overhead)
 
 

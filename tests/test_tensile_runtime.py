@@ -483,7 +483,8 @@ def make_resnet() -> nn.Module:
 def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically():
     """Batch norm outputs that ReLU(inplace=True) overwrote and residual sums (``add_``)
     are rebuilt by rerunning their in-place updates; batch norm reruns on scratch running
-    statistics; a recompute whose input was itself dropped rebuilds that input first."""
+    statistics; a recompute whose input was itself dropped rebuilds that input first, to
+    keep it or for this recompute alone."""
     steps, data = 5, batches(5)
     states = []
     for planned in (False, True):
@@ -506,6 +507,7 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
                                                                       "aten.add_.Tensor"}
     assert any(r.scratch for r in p.recomputes), "no batch norm recomputed"
     assert any(set(r.sources) & rebuilt for r in p.recomputes), "no chain of recomputes"
+    assert any(r.transient for r in p.recomputes), "no input rebuilt for one recompute alone"
     assert p.peak_after < p.peak_before and not p.swaps
     report = sched.report()
     assert report.recomputes == steps * len(p.recomputes) and report.ineffective_releases == 0
