@@ -36,7 +36,7 @@ from nimble.memplan import HappensBefore, arena_bytes, interleaved_peak, lifetim
 from nimble.streams import assign_streams, critical_path, max_antichain_width, single_stream_plan
 from nimble.trace import trace_graph
 
-__all__ = ["COLUMNS", "analyze_graph", "analyze_module", "analyze_model",
+__all__ = ["COLUMNS", "analyze_graph", "analyze_module", "analyze_model", "model_names", "say_written",
            "run_analysis", "environment"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -257,19 +257,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--out", default="results/analysis", help="output folder")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    names = model_names(parser, args.models)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    say_written(run_analysis(names, args.out, args.batch_size), Path(args.out) / "streams.csv")
+    return 0
+
+
+def model_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """``--models a,b`` as registry names; a parser error naming the valid ones otherwise."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
     if unknown or not names:
         parser.error(f"unknown or missing model names {unknown}; valid names: {', '.join(MODELS)}")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    df = run_analysis(names, args.out, args.batch_size)
+    return names
+
+
+def say_written(df: pd.DataFrame, csv: Path) -> None:
+    """One line for the rows written to ``csv`` (and its ``.md``), then each failed model."""
     failed = df[df["status"] != "ok"]
-    print(f"wrote {Path(args.out) / 'streams.csv'} and streams.md: "
-          f"{len(df) - len(failed)} ok, {len(failed)} error(s)")
+    print(f"wrote {csv} and {csv.with_suffix('.md').name}: {len(df) - len(failed)} ok, "
+          f"{len(failed)} error(s)")
     for _, row in failed.iterrows():
         print(f"  {row['model']}: {row['error']}")
-    return 0
 
 
 if __name__ == "__main__":

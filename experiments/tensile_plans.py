@@ -28,8 +28,8 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from experiments.analysis import environment
-from experiments.models import MODELS, build_model, example_input, get_model
+from experiments.analysis import environment, model_names, say_written
+from experiments.models import build_model, example_input, get_model
 from experiments.tensile_run import _drop_aux_head
 from tensile.estimate import estimate_op_times, scaled_op_times
 from tensile.planner import plan
@@ -164,10 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="results", help="the results folder")
     parser.add_argument("--out", default="results/analysis", help="output folder")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS]
-    if unknown or not names:
-        parser.error(f"unknown or missing model names {unknown}; valid names: {', '.join(MODELS)}")
+    names = model_names(parser, args.models)
     try:
         overheads = [float(x) for x in args.max_overhead.split(",") if x.strip()]
     except ValueError:
@@ -176,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--batch-size must be >= 1 and --max-overhead values >= 0, got "
                      f"{args.batch_size} and {args.max_overhead!r}")
     df = run_plans(names, args.out, args.batch_size, overheads, Path(args.results) / args.gpu)
-    failed = df[df["status"] != "ok"]
-    print(f"wrote {Path(args.out) / 'tensile_plans.csv'} and tensile_plans.md: "
-          f"{len(df) - len(failed)} ok, {len(failed)} error(s)")
-    for _, row in failed.iterrows():
-        print(f"  {row['model']}: {row['error']}")
+    say_written(df, Path(args.out) / "tensile_plans.csv")
     return 0
 
 

@@ -12,6 +12,8 @@ import tensile
 from tensile.runtime import bytes_per_s
 from tensile.step import training_step
 
+from resnet_block import make_resnet
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.usefixtures("deterministic_cudnn"),    # bit-identity needs deterministic kernels
@@ -274,27 +276,8 @@ def test_capture_plans_for_the_captured_steps_own_timing():
     assert sched.replans == kept
 
 
-class ResNetBlock(nn.Module):
-    """conv-BN-ReLU(inplace), conv-BN, ``out += identity``, ReLU(inplace)."""
-
-    def __init__(self, ch: int):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch)
-        self.conv2, self.bn2 = nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu(out)
-
-
-def make_resnet(width: int = 32) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-                         nn.ReLU(inplace=True), *[ResNetBlock(width) for _ in range(3)],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, 10)).cuda()
+def make_cuda_resnet(width: int = 32) -> nn.Module:
+    return make_resnet(width, device="cuda")
 
 
 def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
@@ -302,9 +285,9 @@ def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
     scratch running statistics, and inputs rebuilt first (kept, or for one recompute),
     on CUDA: the scheduled step, eager and captured, trains as eager does."""
     data = batches(8)
-    m0, o0 = _eager(data, 32, make_resnet)
+    m0, o0 = _eager(data, 32, make_cuda_resnet)
     kwargs = dict(budget=1, d2h_bw=1e3, h2d_bw=1e3, replan=False, allow_cross_iteration=False)
-    model = make_resnet(32)
+    model = make_cuda_resnet(32)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **kwargs)
     for b in data:
@@ -317,6 +300,6 @@ def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
     assert sched.report().ineffective_releases == 0
     for a, b in zip(states(m0, o0), states(model, opt)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
-    m1, o1, _, _ = _captured_tensile(data, 32, make_resnet, **kwargs)
+    m1, o1, _, _ = _captured_tensile(data, 32, make_cuda_resnet, **kwargs)
     for a, b in zip(states(m0, o0), states(m1, o1)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

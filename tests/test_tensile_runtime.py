@@ -16,6 +16,8 @@ import tensile
 from tensile.runtime import PlanMismatchError
 from tensile.step import training_step
 
+from resnet_block import make_resnet
+
 STEPS = 20
 FAST = dict(peak_flops=1e10, peak_bytes_per_s=1e10, copy_latency_ms=0.0)
 RTOL, ATOL = 1e-5, 1e-6  # the stated tolerance for plans with recomputation
@@ -455,29 +457,6 @@ def test_the_recording_knows_the_gradients_live_until_the_step_ends():
         assert t.role == "activation" and t.held_to_end
         assert tl.phases[t.first] == "backward" and tl.phases[t.last] == "optimizer"
         assert tl.vanilla_range(sid) == (t.first, tl.num_ops - 1)
-
-
-class ResNetBlock(nn.Module):
-    """conv-BN-ReLU(inplace), conv-BN, ``out += identity``, ReLU(inplace): ResNet's block."""
-
-    def __init__(self, ch: int):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch)
-        self.conv2, self.bn2 = nn.Conv2d(ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch)
-        self.relu = nn.ReLU(inplace=True)
-
-    def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        out += x
-        return self.relu(out)
-
-
-def make_resnet() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
-                         nn.ReLU(inplace=True), ResNetBlock(8), ResNetBlock(8), ResNetBlock(8),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
 
 
 def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically():
