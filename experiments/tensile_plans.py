@@ -4,10 +4,10 @@
         [--batch-size 16] [--max-overhead 0,0.05,0.1,0.3] [--gpu h200] [--out results/analysis]
 
 Per model: one training step (Adam; inputs and classes of ``conf/experiment/tensile.yaml``;
-random weights and batch) is recorded on the CPU (:func:`tensile.record_step`); every op gets its roofline time, scaled so that
-the step lasts as long as the captured vanilla step measured on ``--gpu`` (its
-``tensile_graph`` rows in ``results/<gpu>/tensile.csv``: ``mean_ms / (1 + eor_vs_graph)``),
-and the copies run at the bandwidths those rows measured. Then TENSILE plans it for each
+random weights and batch) is recorded on the CPU (:func:`tensile.record_step`); every op
+gets its roofline time, scaled so that the step lasts as long as the captured vanilla step
+measured on ``--gpu`` (its ``tensile_graph`` rows in ``results/<gpu>/tensile.csv``:
+``mean_ms / (1 + eor_vs_graph)``), and the copies run at the bandwidths those rows measured. Then TENSILE plans it for each
 ``max_overhead`` as a captured step needs it (no swaps across iterations) and the planned
 peak, planned MSR and estimated extra time are written to ``tensile_plans.csv`` (one row
 per model × max_overhead, with the environment) and ``tensile_plans.md``.
