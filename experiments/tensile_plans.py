@@ -103,7 +103,7 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
     for mo in overheads:
         p = plan(tl, d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9, max_overhead=mo,
                  allow_cross_iteration=False, min_bytes=1 << 16)
-        rebuilt = {r.sid for r in p.recomputes}
+        chains = p.chained_recomputes
         rows.append({
             **base, "max_overhead": mo, "step_ms": round(step_ms, 3), "step_source": source,
             "d2h_gbps": round(d2h, 2), "h2d_gbps": round(h2d, 2), "ops": tl.num_ops,
@@ -112,9 +112,8 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
             "planned_msr": round(1 - p.peak_after / p.peak_before, 4),
             "est_eor": round(p.est_overhead_ms / tl.iteration_ms, 4),
             "swaps": len(p.swaps), "recomputes": len(p.recomputes),
-            "with_in_place": sum(bool(r.then_ops) for r in p.recomputes),
-            "rebuilt_first": sum(bool(set(r.sources) & rebuilt) for r in p.recomputes),
-            "on_scratch": sum(bool(r.scratch) for r in p.recomputes),
+            "with_in_place": chains["in_place"], "rebuilt_first": chains["rebuild_first"],
+            "on_scratch": chains["scratch"],
             "planner_ms": round(p.planner_ms, 1), "record_s": round(record_s, 1),
             "status": "ok", "error": ""})
     return rows

@@ -30,7 +30,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -110,6 +110,7 @@ class SchedulerReport:
     plan_version: int | None = None   # the scheduler's version of the plan now running
     plan_reason: str | None = None    # why the scheduler made it
     plans_received: int = 0           # plan switches ordered by the scheduler
+    chained_recomputes: dict = field(default_factory=dict)  # Plan.chained_recomputes
 
     def plan_figures(self) -> dict:
         """The current plan as the result rows give it (MiB, ms): planned swaps and
@@ -121,7 +122,8 @@ class SchedulerReport:
                 "planned_peak_mb": self.peak_after / mib,
                 "msr_planned": 1 - self.peak_after / self.peak_before if self.peak_before else None,
                 "plan_feasible": self.feasible, "plan_overhead_ms": self.est_overhead_ms,
-                "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib}
+                "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib,
+                **{f"recomputes_{k}": v for k, v in self.chained_recomputes.items()}}
 
     def plan_check(self) -> dict:
         """What the plan assumed beside what its timed steps measured: the iteration it
@@ -452,7 +454,7 @@ class Scheduler:
             plan_h2d_bytes_per_s=self.plan.h2d_bytes_per_s, timed_steps=s.timed_steps,
             timed_d2h_bytes=s.timed_d2h_bytes, timed_d2h_ms=s.timed_d2h_ms,
             timed_h2d_bytes=s.timed_h2d_bytes, timed_h2d_ms=s.timed_h2d_ms,
-            **self._server_fields())
+            chained_recomputes=self.plan.chained_recomputes, **self._server_fields())
 
     # ------------------------------------------------------------------ internals
     def _talk_to_scheduler(self, iter_ms: float | None, op_ms: list[float] | None,

@@ -101,6 +101,17 @@ class Plan:
         return sum(s.nbytes for s in self.swaps)
 
     @property
+    def chained_recomputes(self) -> dict[str, int]:
+        """How many recomputes rerun in-place updates too (``in_place``), rebuild a dropped
+        input first (``rebuild_first``; ``transient``: for themselves alone), or rerun a
+        batch norm on scratch statistics (``scratch``)."""
+        rebuilt = {r.sid for r in self.recomputes}
+        return {"in_place": sum(bool(r.then_ops) for r in self.recomputes),
+                "rebuild_first": sum(bool(set(r.sources) & rebuilt) for r in self.recomputes),
+                "transient": sum(bool(r.transient) for r in self.recomputes),
+                "scratch": sum(bool(r.scratch) for r in self.recomputes)}
+
+    @property
     def bytes_moved(self) -> int:
         """Bytes copied per iteration, both directions together."""
         return 2 * self.host_bytes
@@ -137,9 +148,18 @@ class Plan:
             f"  peak {self.peak_before / mib:.1f} MiB -> {self.peak_after / mib:.1f} MiB "
             f"(-{100 * saved:.1f} %), budget {budget}, feasible {self.feasible}\n"
             f"  swaps {len(self.swaps)} ({cross} across iterations, "
-            f"{self.host_bytes / mib:.1f} MiB each way), recomputes {len(self.recomputes)}\n"
+            f"{self.host_bytes / mib:.1f} MiB each way), recomputes {len(self.recomputes)}"
+            f"{self._chains_text()}\n"
             f"  est. overhead {self.est_overhead_ms:.3f} ms, planner {self.planner_ms:.1f} ms"
         )
+
+    def _chains_text(self) -> str:
+        c = self.chained_recomputes
+        if not any(c.values()):
+            return ""
+        return (f" ({c['in_place']} with in-place updates, {c['rebuild_first']} rebuilding an "
+                f"input first, {c['transient']} of them for themselves alone, {c['scratch']} "
+                "batch norms on scratch statistics)")
 
     def __str__(self) -> str:
         lines = [self.summary()]

@@ -490,5 +490,8 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
     assert p.peak_after < p.peak_before and not p.swaps
     report = sched.report()
     assert report.recomputes == steps * len(p.recomputes) and report.ineffective_releases == 0
+    figures = report.plan_figures()     # what the experiment's rows carry
+    assert figures["recomputes_in_place"] == sum(bool(r.then_ops) for r in p.recomputes) > 0
+    assert figures["recomputes_transient"] > 0 and "with in-place updates" in p.summary()
     for a, b in zip(*states):   # parameters, running statistics, momentum: all the same
         assert torch.equal(a, b)
