@@ -724,11 +724,13 @@ def plot_multistream(df: pd.DataFrame, headroom: pd.DataFrame | None = None) -> 
 GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 
 
-def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = None) -> Figure | None:
+def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = None,
+                          plans: pd.DataFrame | None = None) -> Figure | None:
     """One panel per model at the paper's batch (16): memory saved (MSR) against extra time
     (EOR) for every method, the TENSILE authors' point, and the target region (MSR at least
     theirs, EOR at most half of theirs) shaded. A captured TENSILE step is placed by its
-    figures against the captured vanilla step."""
+    figures against the captured vanilla step. ``plans`` (``tensile_plans.csv``): what the
+    planner promises for the captured step, as hollow points joined by a dashed line."""
     m = _captured_against_graph(metrics[(metrics["mode"] == "whole-step") & (metrics["batch_size"] == 16)])
     m = m[m["msr"].notna() & m["eor"].notna() & ~m["method"].isin(["vanilla", "graph"])]  # references
     if m.empty:
@@ -746,6 +748,12 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
             ax.scatter(r["eor"], r["msr"], marker="o" if ours else "s", s=30)
             ax.annotate(r["method"], (r["eor"], r["msr"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
+        planned = None if plans is None else plans[
+            (plans["model"] == model) & (plans["batch_size"] == 16) & (plans["status"] == "ok")]
+        if planned is not None and len(planned):
+            planned = planned.sort_values("est_eor")
+            ax.plot(planned["est_eor"], planned["planned_msr"], "o--", mfc="none", color="gray",
+                    label="planned (CPU)")
         p = None if paper is None else paper[paper["model"] == model]
         if p is not None and len(p):
             p = p.iloc[0]
@@ -964,8 +972,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "variants (`tensile`, `tensile(max_overhead=…)`) the line shows one that meets the "
                    "target if any, else the one that saves the most memory.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
-        figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile)
         plans = _read_csv(results_dir / "analysis" / "tensile_plans.csv")
+        figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile, plans)
         if plans is not None and (plans["status"] == "ok").any():
             md += ["### What the planner promises for a captured step, worked out on the CPU", "",
                    "`python -m experiments.tensile_plans`: a step recorded on the CPU, op times scaled "

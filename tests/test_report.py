@@ -439,3 +439,9 @@ def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_ag
     assert "vanilla" not in labels and "graph" not in labels      # the references are not methods
     assert labels["checkpoint"] == (1.3, 0.4)
     assert report.plot_tensile_tradeoff(metrics.assign(batch_size=32), paper) is None
+    plans = pd.DataFrame({"model": ["resnet50"] * 2, "batch_size": [16, 16], "status": ["ok", "ok"],
+                          "est_eor": [0.1, 0.0], "planned_msr": [0.5, 0.07]})
+    fig = report.plot_tensile_tradeoff(metrics, paper, plans)
+    (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "planned (CPU)"]
+    assert list(line.get_xdata()) == [0.0, 0.1] and list(line.get_ydata()) == [0.07, 0.5]
+    assert not [ln for ln in fig.axes[1].get_lines() if ln.get_label() == "planned (CPU)"]
