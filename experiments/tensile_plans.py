@@ -1,13 +1,14 @@
 """What TENSILE's planner promises for a captured training step, worked out on the CPU.
 
-    python -m experiments.tensile_plans [--models resnet50,densenet121,inception_v3]
+    python -m experiments.tensile_plans [--models vgg16,inception_v3,inception_v4,resnet50,densenet121]
         [--batch-size 16] [--max-overhead 0,0.05,0.1,0.3] [--gpu h200] [--out results/analysis]
 
 Per model: one training step (Adam; inputs and classes of ``conf/experiment/tensile.yaml``;
 random weights and batch) is recorded on the CPU (:func:`tensile.record_step`); every op
 gets its roofline time, scaled so that the step lasts as long as the captured vanilla step
 measured on ``--gpu`` (its ``tensile_graph`` rows in ``results/<gpu>/tensile.csv``:
-``mean_ms / (1 + eor_vs_graph)``), and the copies run at the bandwidths those rows measured. Then TENSILE plans it for each
+``mean_ms / (1 + eor_vs_graph)``; without one, the eager vanilla step), and the copies run
+at the bandwidths those rows measured. Then TENSILE plans it for each
 ``max_overhead`` as a captured step needs it (no swaps across iterations) and the planned
 peak, planned MSR and estimated extra time are written to ``tensile_plans.csv`` (one row
 per model × max_overhead, with the environment) and ``tensile_plans.md``.
@@ -40,7 +41,7 @@ __all__ = ["COLUMNS", "captured_step", "plan_model", "run_plans"]
 
 MB = 2 ** 20
 TENSILE_CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment" / "tensile.yaml"
-DEFAULT_MODELS = ("resnet50", "densenet121", "inception_v3")
+DEFAULT_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")  # the paper's
 DEFAULT_OVERHEADS = (0.0, 0.05, 0.1, 0.3)
 # Roofline rates that shape the op times when no GPU row gives them (H200 nominal: fp32
 # ~60 TFLOP/s, HBM3e 4.8 TB/s); only the shape matters once the step is scaled.
@@ -55,23 +56,28 @@ COLUMNS = [
 
 
 def captured_step(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
-    """The latest ``tensile_graph`` row of ``model`` at ``batch_size`` in ``gpu_dir``: the
-    captured vanilla step's time, the copy bandwidths measured and the peak rate; None
-    when there is none."""
+    """The step to plan for, from the latest rows of ``model`` at ``batch_size`` in
+    ``gpu_dir``: the captured vanilla step of a ``tensile_graph`` row (its time, the copy
+    bandwidths measured, the peak rate), else the eager ``vanilla`` step (its time includes
+    the host's gaps between kernels); ``source`` says which. None when there is neither."""
     path = gpu_dir / "tensile.csv"
     if not path.exists():
         return None
     df = pd.read_csv(path)
-    rows = df[(df["model"] == model) & (df["batch_size"] == batch_size) & (df["status"] == "ok")
-              & df["backend"].astype(str).str.match(r"tensile_graph($|\()")]
-    for _, r in rows.sort_values("date", ascending=False).iterrows():
+    df = df[(df["model"] == model) & (df["batch_size"] == batch_size) & (df["status"] == "ok")]
+    df = df.sort_values("date", ascending=False)
+    for _, r in df[df["backend"].astype(str).str.match(r"tensile_graph($|\()")].iterrows():
         extra = json.loads(r["extra"]) if isinstance(r["extra"], str) and r["extra"] else {}
         if extra.get("eor_vs_graph") is None:
             continue
         return {"step_ms": float(r["mean_ms"]) / (1 + float(extra["eor_vs_graph"])),
                 "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),
                 "h2d_gbps": extra.get("h2d_gbps_measured") or extra.get("h2d_gbps"),
-                "tflops": extra.get("peak_tflops"), "date": r["date"]}
+                "tflops": extra.get("peak_tflops"),
+                "source": f"captured vanilla step, tensile_graph row of {r['date'][:10]}"}
+    for _, r in df[df["backend"] == "vanilla"].iterrows():
+        return {"step_ms": float(r["mean_ms"]), "d2h_gbps": None, "h2d_gbps": None, "tflops": None,
+                "source": f"eager vanilla step, row of {r['date'][:10]} (no tensile_graph row)"}
     return None
 
 
@@ -98,7 +104,7 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
         h2d = float((measured or {}).get("h2d_gbps") or DEFAULT_GBPS)
     except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
         return [{**base, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}]
-    source = f"tensile_graph row of {measured['date'][:10]}" if measured else "roofline (no GPU row)"
+    source = measured["source"] if measured else "roofline (no GPU row)"
     rows = []
     for mo in overheads:
         p = plan(tl, d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9, max_overhead=mo,

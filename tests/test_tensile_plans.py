@@ -28,8 +28,15 @@ def test_the_latest_captured_step_gives_step_time_and_bandwidths(tmp_path):
     step = tensile_plans.captured_step(gpu, "mobilenet_v2", 2)
     assert step["step_ms"] == pytest.approx(15.0)            # 30 ms = (1 + 1.0) x the graph step
     assert (step["d2h_gbps"], step["h2d_gbps"]) == (40.0, 45.0)  # measured where recorded
+    assert step["source"] == "captured vanilla step, tensile_graph row of 2026-11-30"
     assert tensile_plans.captured_step(gpu, "mobilenet_v2", 4) is None
     assert tensile_plans.captured_step(tmp_path / "nothing", "mobilenet_v2", 2) is None
+    # without a captured step, the eager vanilla step (host gaps included) stands in
+    eager = gpu_rows(tmp_path / "other", [{"backend": "vanilla", "mean_ms": 20.0, "extra": {},
+                                           "date": "2026-11-29T04:00:00+00:00"}])
+    step = tensile_plans.captured_step(eager, "mobilenet_v2", 2)
+    assert step["step_ms"] == 20.0 and step["d2h_gbps"] is None
+    assert step["source"].startswith("eager vanilla step, row of 2026-11-29")
 
 
 def test_plans_of_a_recorded_step_are_rows_and_a_table(tmp_path):
@@ -42,7 +49,7 @@ def test_plans_of_a_recorded_step_are_rows_and_a_table(tmp_path):
     assert (out / "tensile_plans.csv").exists() and "planned_msr" in (out / "tensile_plans.md").read_text()
     assert list(df["status"]) == ["ok", "ok"] and list(df["max_overhead"]) == [0.0, 0.5]
     assert set(df["step_ms"]) == {15.0} and set(df["d2h_gbps"]) == {40.0}
-    assert df["step_source"].str.startswith("tensile_graph row of 2026-11-30").all()
+    assert df["step_source"].str.endswith("tensile_graph row of 2026-11-30").all()
     for _, r in df.iterrows():
         assert r["planned_peak_mb"] <= r["vanilla_peak_mb"]
         assert r["planned_msr"] == pytest.approx(1 - r["planned_peak_mb"] / r["vanilla_peak_mb"], abs=1e-3)
