@@ -365,7 +365,6 @@ class PlanState:
                 self.pinned[self.row[src]] = True
         return True
 
-
     def _affordable(self, r: Recompute, p: int, max_cost_ms: float) -> bool:
         """Can ``r`` lower the peak at ``p`` within ``max_cost_ms``? Its sources that are
         recomputed but not back by its ``before_op`` are rebuilt for it alone (``r`` then
