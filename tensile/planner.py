@@ -19,9 +19,10 @@ Each round:
 
 It stops when the budget is met, or, without a budget, when neither a hidden swap nor a
 recomputation within the allowance lowers the current peak. Where recomputation may run,
-the rounds run twice, with swaps and without, and the better plan is kept (:func:`plan`).
-``max_overhead=0`` (the default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small
-allowance buys much more: recomputing cheap activations (batch norm and ReLU outputs)
+the rounds run four times (swaps first or not; a recompute's dropped inputs rebuilt for it
+alone or not) and the best plan is kept (:func:`plan`). ``max_overhead=0`` (the default)
+minimises the peak at (simulated) zero extra time, as TENSILE does; a small allowance buys
+much more: recomputing cheap activations (batch norm and ReLU outputs)
 frees memory that copies could not move in time. Each direction is one channel whose busy
 intervals never overlap. Failed placements are remembered per (tensor, peak op): channels
 only fill up, so a copy that did not fit once never fits later.
@@ -394,7 +395,7 @@ class PlanState:
 
     def _chain_ms(self, q: Recompute) -> float:
         """The time of ``q``'s own rerun ops (its producer and in-place updates)."""
-        return float(sum(self.tl.op_ms[k] for k in [q.producer_op, *q.then_ops]))
+        return _rerun_ms(self.tl, q.producer_op, q.then_ops)
 
     def _early_rebuilds(self, r: Recompute) -> list[tuple[Recompute, int]]:
         """The recomputed tensors ``r`` reads (directly or through them) that must now be
@@ -432,8 +433,8 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     write anything else, except a batch norm's running statistics, which the rerun
     updates in scratch copies. Every other input must be unmodified until op ``j`` and
     resident then: not ``moved``, or itself recomputed (in ``rebuilt``), in which case
-    it is rebuilt first, by op ``j``, and stays until its own use (the caller moves its
-    ``before_op``). Chains of recomputes rebuild a run of layers from one kept tensor,
+    it is rebuilt first, by op ``j`` (the caller decides whether it then stays until its
+    own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`). Chains of recomputes rebuild a run of layers from one kept tensor,
     as activation checkpointing does. ``cache`` keeps what does not change between calls
     for one ``sid`` and ``i`` (a planner's rounds ask again and again).
     """
@@ -452,8 +453,13 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
         if gone or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
             return None                   # it would not be there, unchanged, at op j
     return Recompute(sid=sid, nbytes=tl.tensors[sid].nbytes, producer_op=prod, release_after_op=i,
-                     before_op=j, cost_ms=float(sum(tl.op_ms[k] for k in [prod, *then])),
+                     before_op=j, cost_ms=_rerun_ms(tl, prod, then),
                      sources=list(sources), then_ops=list(then), scratch=list(scratch))
+
+
+def _rerun_ms(tl: AccessTimeline, producer: int, then: list[int]) -> float:
+    """The time of rerunning ``producer`` and then the in-place ops ``then``."""
+    return float(sum(tl.op_ms[k] for k in [producer, *then]))
 
 
 def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
