@@ -273,11 +273,14 @@ class PlanState:
         if c is None:
             return None
         k_out, k_in = tl.last_op_ending_by(a), tl.last_op_ending_by(c)
-        release = max(i, k_out)
-        lo = tl.first_op_starting_at_or_after(max(a + d_out, float(tl.end[release])))
+        lo = tl.first_op_starting_at_or_after(max(a + d_out, float(tl.end[max(i, k_out)])))
+        # Dropped after the op the copy-out should end in, not right after the last read:
+        # the memory counts as free from op lo either way, and in a CUDA graph a release
+        # makes the compute stream wait for the copy-out (runtime notes), which an earlier
+        # release would turn into a stall of the copy's whole length.
         swap = Swap(sid=sid, nbytes=t.nbytes, cross_iteration=False,
                     out_issue_op=k_out, out_start_ms=a, out_end_ms=a + d_out,
-                    release_after_op=release, in_issue_op=k_in, in_start_ms=c,
+                    release_after_op=lo - 1, in_issue_op=k_in, in_start_ms=c,
                     in_end_ms=c + d_in, use_op=j)
         return swap, lo, k_in
 

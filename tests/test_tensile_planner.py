@@ -150,6 +150,8 @@ def check_swap(tl: AccessTimeline, s: Swap) -> None:
         last_write = max(w for w in t.writes if w <= s.release_after_op)
         assert s.out_start_ms >= tl.end[last_write] - EPS, "copied out before its last write"
         assert s.use_op in t.accesses
+        # dropped once its copy-out should be done: a captured step's wait for it stalls nothing
+        assert tl.start[s.release_after_op + 1] >= s.out_end_ms - EPS, "released before its copy-out ends"
 
 
 def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
@@ -294,6 +296,28 @@ def test_swap_out_early_and_in_late():
     assert s.in_end_ms == pytest.approx(tl.start[5])    # just in time for fc_bwd
     assert s.in_start_ms == pytest.approx(tl.start[5] - copy_ms)
     assert s.in_issue_op == 3 and s.use_op == 5  # issued once the peak op is done
+    check_plan(tl, p)
+
+
+def test_a_swapped_activation_is_dropped_when_its_copy_out_should_end():
+    """Not right after its last read: in a CUDA graph the release waits for the copy-out."""
+    ops = [
+        ("a", "forward", 1.0, [1], [10]),
+        ("b", "forward", 0.5, [10], [11]),       # the last forward read of 10
+        ("c", "forward", 0.5, [11], [12]),
+        ("d", "forward", 0.5, [12], [13]),       # 10's copy-out ends in here
+        ("loss", "loss", 1.0, [13], [14, 16]),   # 16: a big scratch tensor, the peak
+        ("d_bwd", "backward", 2.0, [14], [15]),
+        ("a_bwd", "backward", 1.0, [15, 10], [17]),
+    ]
+    sizes = {1: MB, 10: 12 * MB, 11: MB, 12: MB, 13: MB, 14: MB, 15: MB, 16: 32 * MB, 17: MB}
+    tl = AccessTimeline.from_ops(ops, sizes, {1: "input"})
+    bw = 12 * MB / 1.2e-3                        # 1.2 ms a copy: from 1.0 to 2.2 ms
+    p = plan(tl, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False, copy_latency_ms=0.0)
+    (s,) = [s for s in p.swaps if s.sid == 10]
+    assert s.out_end_ms == pytest.approx(2.2)
+    assert s.release_after_op == 3               # d, not b
+    assert simulate(tl, p).peak == p.peak_after
     check_plan(tl, p)
 
 
