@@ -268,6 +268,10 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     cuda = device == "cuda"
     if fraction is not None and cap_setup:
         torch.cuda.set_per_process_memory_fraction(fraction)
+    # What is allocated before the model exists (the batch, anything an earlier job of this
+    # process left behind) is not the method's: peaks are counted above it.
+    resident_mb = torch.cuda.memory_allocated() / MB if cuda else 0.0
+    resident_reserved_mb = torch.cuda.memory_reserved() / MB if cuda else 0.0
     model = build()
     opt = _optimizer(model, exp, capturable=name in GRAPHED)
     t0 = time.perf_counter()
@@ -296,8 +300,8 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
         walls.append(t.wall_ms)
         means.append(t.mean_ms)
         if cuda:
-            peaks.append(torch.cuda.max_memory_allocated() / MB)
-            reserved.append(torch.cuda.max_memory_reserved() / MB)
+            peaks.append(torch.cuda.max_memory_allocated() / MB - resident_mb)
+            reserved.append(torch.cuda.max_memory_reserved() / MB - resident_reserved_mb)
         loss = float(last["loss"])
         if not math.isfinite(loss):
             return {"status": "error", "reason": f"non-finite loss {loss} after measured steps",
@@ -310,9 +314,12 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
              "loss": loss}
     extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
     if cuda and name in GRAPHED:   # a replay allocates nothing: the capture's peak is every step's
-        peaks, reserved = [stats["graph_peak_mb"]], [stats["graph_reserved_mb"]]
+        peaks = [stats["graph_peak_mb"] - resident_mb]
+        reserved = [stats["graph_reserved_mb"] - resident_reserved_mb]
     if cuda:
-        extra.update(peak_reserved_mb=round(max(reserved), 1),
+        extra.update(resident_before_mb=round(resident_mb, 1),
+                     resident_reserved_before_mb=round(resident_reserved_mb, 1),
+                     peak_reserved_mb=round(max(reserved), 1),
                      repeat_peak_mb=[round(p, 1) for p in peaks],
                      repeat_peak_reserved_mb=[round(r, 1) for r in reserved])
     return {"status": "ok", "reason": "", **summarize_ms(samples),
@@ -423,6 +430,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         log.info("already measured (redo=true to measure again): %s b=%s %s", cfg.model.name,
                  cfg.batch_size, common["mode"])
         return []
+    if "tensile_graph" in todo and "graph" not in todo:
+        todo.append("graph")   # measured anyway as tensile_graph's reference: keep its row
     fraction = _memory_fraction(exp, device)
     order = method_order(todo, capuchin_after_tensile=exp.budget is None and fraction is None)
 
