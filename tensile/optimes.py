@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble.capture import _event_gap_ms
 
+from .graph import warmup_stream
 from .record import is_counted
 from .step import training_step
 
@@ -72,7 +73,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
                 training_step(model, optimizer, batch, loss_fn)
             runs.append(mode.ms)
         return [statistics.median(column) for column in zip(*runs)]
-    side = torch.cuda.Stream()
+    side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         training_step(model, optimizer, batch, loss_fn)
@@ -91,6 +92,6 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
         torch.cuda.synchronize()
         ends = [start, *marks.events]
         samples.append([a.elapsed_time(b) for a, b in zip(ends, ends[1:])])
-    gap = _event_gap_ms(torch.cuda.Stream())   # a graph cannot be captured on the default stream
+    gap = _event_gap_ms(side)   # a graph cannot be captured on the default stream
     del graph
     return [max(statistics.median(column) - gap, 0.0) for column in zip(*samples)]
