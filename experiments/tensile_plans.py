@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from experiments.analysis import environment, model_names, say_written
 from experiments.models import build_model, example_input, get_model
+from experiments.report import load_rows
 from experiments.tensile_run import _drop_aux_head
 from tensile.estimate import estimate_op_times, scaled_op_times
 from tensile.planner import plan
@@ -56,18 +57,17 @@ COLUMNS = [
 
 
 def captured_step(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
-    """The step to plan for, from the latest rows of ``model`` at ``batch_size`` in
-    ``gpu_dir``: the captured vanilla step of a ``tensile_graph`` row (its time, the copy
-    bandwidths measured, the peak rate), else the eager ``vanilla`` step (its time includes
-    the host's gaps between kernels); ``source`` says which. None when there is neither."""
-    path = gpu_dir / "tensile.csv"
-    if not path.exists():
-        return None
-    df = pd.read_csv(path)
-    df = df[(df["model"] == model) & (df["batch_size"] == batch_size) & (df["status"] == "ok")]
-    df = df.sort_values("date", ascending=False)
+    """The step to plan for, from the latest full-protocol rows of ``model`` at ``batch_size``
+    in ``gpu_dir`` (as the report reads them: smoke rows never): the captured vanilla step of a
+    ``tensile_graph`` row (its time, the copy bandwidths measured, the peak rate), else the
+    eager ``vanilla`` step (its time includes the host's gaps between kernels); ``source``
+    says which. None when there is neither."""
+    df = load_rows(gpu_dir)
+    df = df[(df["experiment"] == "tensile") & (df["model"] == model)
+            & (df["batch_size"] == batch_size) & (df["status"] == "ok") & ~df["smoke"]]
+    df = df.sort_values("date", ascending=False, kind="stable")
     for _, r in df[df["backend"].astype(str).str.match(r"tensile_graph($|\()")].iterrows():
-        extra = json.loads(r["extra"]) if isinstance(r["extra"], str) and r["extra"] else {}
+        extra = json.loads(r["extra"]) if r["extra"] else {}
         if extra.get("eor_vs_graph") is None:
             continue
         return {"step_ms": float(r["mean_ms"]) / (1 + float(extra["eor_vs_graph"])),

@@ -1,29 +1,34 @@
 """experiments.tensile_plans: TENSILE's plans of captured steps, worked out on the CPU."""
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pytest
 
 from experiments import tensile_plans
 from experiments.report import tensile_cpu_plans
+from experiments.store import ResultStore
 
 
 def gpu_rows(folder, rows: list[dict]):
-    folder.mkdir(parents=True, exist_ok=True)
-    base = {"model": "mobilenet_v2", "batch_size": 2, "status": "ok", "backend": "tensile_graph"}
-    pd.DataFrame([{**base, **r, "extra": json.dumps(r["extra"])} for r in rows]).to_csv(
-        folder / "tensile.csv", index=False)
+    """``rows`` appended in order (the last of a key is its latest) as full-protocol H200 rows."""
+    store = ResultStore(folder / "tensile.csv")
+    base = {"experiment": "tensile", "mode": "whole-step", "model": "mobilenet_v2", "batch_size": 2,
+            "status": "ok", "backend": "tensile_graph", "device": "cuda", "gpu": "NVIDIA H200",
+            "warmup": 5, "iters": 50}
+    for r in rows:
+        store.append({**base, **r})
     return folder
 
 
 def test_the_latest_captured_step_gives_step_time_and_bandwidths(tmp_path):
     gpu = gpu_rows(tmp_path / "h200", [
+        {"mean_ms": 99.0, "date": "2026-11-29T04:00:00+00:00", "extra": {"eor_vs_graph": 0.0}},
         {"mean_ms": 30.0, "date": "2026-11-30T04:00:00+00:00",
          "extra": {"eor_vs_graph": 1.0, "d2h_gbps_measured": 40.0, "d2h_gbps": 50.0, "h2d_gbps": 45.0}},
-        {"mean_ms": 99.0, "date": "2026-11-29T04:00:00+00:00", "extra": {"eor_vs_graph": 0.0}},
-        {"mean_ms": 1.0, "date": "2026-12-01T04:00:00+00:00", "extra": {}},   # no graph reference
+        {"backend": "tensile_graph(max_overhead=0.1)", "mean_ms": 1.0,      # no graph reference
+         "date": "2026-12-01T04:00:00+00:00", "extra": {}},
+        {"backend": "tensile_graph(max_overhead=0.3)", "mean_ms": 2.0, "iters": 3,   # a smoke row
+         "date": "2026-12-02T04:00:00+00:00", "extra": {"eor_vs_graph": 0.0}},
     ])
     step = tensile_plans.captured_step(gpu, "mobilenet_v2", 2)
     assert step["step_ms"] == pytest.approx(15.0)            # 30 ms = (1 + 1.0) x the graph step
@@ -31,9 +36,11 @@ def test_the_latest_captured_step_gives_step_time_and_bandwidths(tmp_path):
     assert step["source"] == "captured vanilla step, tensile_graph row of 2026-11-30"
     assert tensile_plans.captured_step(gpu, "mobilenet_v2", 4) is None
     assert tensile_plans.captured_step(tmp_path / "nothing", "mobilenet_v2", 2) is None
-    # without a captured step, the eager vanilla step (host gaps included) stands in
-    eager = gpu_rows(tmp_path / "other", [{"backend": "vanilla", "mean_ms": 20.0, "extra": {},
-                                           "date": "2026-11-29T04:00:00+00:00"}])
+    # without a captured step, the eager vanilla step (host gaps included) stands in; never a smoke row
+    eager = gpu_rows(tmp_path / "other", [
+        {"backend": "vanilla", "mean_ms": 20.0, "extra": {}, "date": "2026-11-29T04:00:00+00:00"},
+        {"backend": "vanilla", "mode": "smoke", "mean_ms": 2.0, "warmup": 1, "extra": {},
+         "date": "2026-11-30T04:00:00+00:00"}])
     step = tensile_plans.captured_step(eager, "mobilenet_v2", 2)
     assert step["step_ms"] == 20.0 and step["d2h_gbps"] is None
     assert step["source"].startswith("eager vanilla step, row of 2026-11-29")
