@@ -440,14 +440,15 @@ def _tensile_rows(df: pd.DataFrame):
 
 def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
     """One line per full-protocol ok TENSILE-experiment row: model, batch, mode, method and
-    the MSR / EOR / CBR / passive-share figures from its ``extra`` JSON."""
+    the MSR / EOR / CBR / passive-share figures from its ``extra`` JSON, and the commit that
+    measured it (rows of older code stay until a setting is measured again)."""
     out = []
     for r, extra in _tensile_rows(df):
         out.append({"model": r["model"], "batch_size": r["batch_size"], "mode": r["mode"],
                     "method": r["backend"], "mean_ms": r["mean_ms"], "peak_mem_mb": r["peak_mem_mb"],
-                    **{k: extra.get(k) for k in TENSILE_METRICS}})
+                    **{k: extra.get(k) for k in TENSILE_METRICS}, "commit": str(r["commit"])[:7]})
     return pd.DataFrame(out, columns=["model", "batch_size", "mode", "method", "mean_ms", "peak_mem_mb",
-                                      *TENSILE_METRICS])
+                                      *TENSILE_METRICS, "commit"])
 
 
 # What a TENSILE-planned row assumed (its plan) beside what its timed steps measured.

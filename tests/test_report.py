@@ -215,7 +215,13 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     _tensile_row(store, "graph", 10.0, 1000.0, 0.0, -0.5, model="vgg16")
     _tensile_row(store, "tensile_graph(max_overhead=0.1)", 11.0, 900.0, 0.3, -0.4, model="vgg16",
                  msr_vs_graph=0.4, eor_vs_graph=0.1)   # paper .326/.263: 0.3 < .326
+    store.append(dict(experiment="tensile", mode="whole-step", model="vgg16", batch_size=16,
+                      backend="tensile(max_overhead=0.3)", status="ok", device="cuda",
+                      gpu="NVIDIA H200", warmup=5, iters=50, mean_ms=11.0, median_ms=11.0,
+                      peak_mem_mb=990.0, commit="0123456789abcdef", extra={"msr": 0.01, "eor": 0.1}))
     df = report.load_rows(tmp_path / "h200")
+    metrics = report.tensile_metrics(df)   # which code measured each row
+    assert metrics.set_index("method").loc["tensile(max_overhead=0.3)", "commit"] == "0123456"
     v = report.tensile_verdicts(report.tensile_metrics(df),
                                 pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")).set_index("model")
     assert v.loc["resnet50", "verdict"] == "reproduced"
