@@ -446,9 +446,10 @@ def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
     for r, extra in _tensile_rows(df):
         out.append({"model": r["model"], "batch_size": r["batch_size"], "mode": r["mode"],
                     "method": r["backend"], "mean_ms": r["mean_ms"], "peak_mem_mb": r["peak_mem_mb"],
-                    **{k: extra.get(k) for k in TENSILE_METRICS}, "commit": str(r["commit"])[:7]})
+                    **{k: extra.get(k) for k in TENSILE_METRICS}, "commit": str(r["commit"])[:7],
+                    "date": str(r["date"])})
     return pd.DataFrame(out, columns=["model", "batch_size", "mode", "method", "mean_ms", "peak_mem_mb",
-                                      *TENSILE_METRICS, "commit"])
+                                      *TENSILE_METRICS, "commit", "date"])
 
 
 # What a TENSILE-planned row assumed (its plan) beside what its timed steps measured.
@@ -753,10 +754,18 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
         ax.set_visible(False)
     for ax, model in zip(axes.flat, models):
         rows = m[m["model"] == model]
+        captured = rows[rows["method"].str.startswith("tensile_graph")]
+        newest = captured.sort_values("date")["commit"].iloc[-1] if len(captured) else None
         for _, r in rows.iterrows():
             ours = str(r["method"]).startswith("tensile")
-            ax.scatter(r["eor"], r["msr"], marker="o" if ours else "s", s=30)
-            ax.annotate(r["method"], (r["eor"], r["msr"]), fontsize=7, xytext=(3, 3),
+            label = r["method"]
+            if str(r["method"]).startswith("tensile_graph") and r["commit"] != newest:
+                # measured by older code than this model's newest captured run: grey, and said so
+                ax.scatter(r["eor"], r["msr"], marker="o", s=30, facecolors="none", edgecolors="gray")
+                label += f" ({r['commit']}, older code)"
+            else:
+                ax.scatter(r["eor"], r["msr"], marker="o" if ours else "s", s=30)
+            ax.annotate(label, (r["eor"], r["msr"]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         planned = None if plans is None else plans[
             (plans["model"] == model) & (plans["batch_size"] == 16) & (plans["status"] == "ok")]
@@ -973,7 +982,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "MSR = 1 − peak/peak_vanilla (allocated); EOR = time/time_vanilla − 1; vanilla measured "
                "in the same process; *_vs_graph: a captured TENSILE step against the captured "
                "vanilla step (`graph`).", "",
-               md_table(metrics.dropna(axis=1, how="all").round(3)), ""]
+               md_table(metrics.drop(columns="date").dropna(axis=1, how="all").round(3)), ""]
         paper_tensile = _read_csv(paper_dir / "tensile_single_b16.csv")
         if paper_tensile is not None:
             md += ["### Against the TENSILE authors' single-job figures", "",
