@@ -300,9 +300,15 @@ def test_presets_cover_the_papers_workloads():
     batch = _compose(["+sweep=tensile_batch"], hydra_cfg=True)
     assert str(batch.hydra.sweeper.params.batch_size) == "2,4,8,16,32"
     assert str(batch.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    captured = _compose(["+sweep=tensile_captured"], hydra_cfg=True)
+    assert str(captured.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    assert list(captured.experiment.methods) == ["vanilla", "graph", "tensile_graph"]
+    # every model's target limit (half the authors' EOR, to two places) is one of the points
+    assert {0.05, 0.08, 0.13, 0.15, 0.3} == {
+        float(o) for o in str(captured.hydra.sweeper.params["experiment.max_overhead"]).split(",")}
     budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
     assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16,24,48,80"
-    for cfg in (single, batch, budget):
+    for cfg in (single, batch, budget, captured):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
 
