@@ -56,7 +56,8 @@ MB = 2**20
 # and cuDNN workspaces need the rest.
 EMULATED_HEADROOM = 0.9
 SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
-GRAPHED = ("graph", "tensile_graph")  # one CUDA graph per step: capturable optimizer, CUDA only
+# one CUDA graph per step: capturable optimizer, CUDA only
+GRAPHED = ("graph", "tensile_graph", "checkpoint_graph")
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
 OPTIMIZERS = ("adam", "sgd")
@@ -364,7 +365,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
     budget = exp.budget
     if budget is None and fraction is not None:
         budget = EMULATED_HEADROOM * fraction
-    if name in ("checkpoint", "sac"):
+    if name in ("checkpoint", "sac", "checkpoint_graph"):
         return {"layers_per_block": exp.layers_per_block}
     if name == "compile_budget":
         return {"activation_memory_budget": float(exp.activation_memory_budget)}

@@ -25,7 +25,10 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   the capture then re-plans with the op times of a graph of the vanilla step, see
   ``Scheduler.capture``). Both need CUDA and a
   capturable optimizer; they take the host out of the step, so what the plan costs is
-  what it costs the GPU (``tensile_graph`` against ``graph``).
+  what it costs the GPU (``tensile_graph`` against ``graph``);
+* ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
+  built-in for ``tensile_graph`` (CUDA, capturable optimizer; refused for a model with
+  dropout or other random ops, see :func:`random_ops`).
 
 ``make_method`` changes ``model`` in place for ``checkpoint`` and ``sac`` (block forwards
 are wrapped): give it a fresh model. Caveat of ``checkpoint`` and ``sac``: a BatchNorm
@@ -43,6 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
@@ -51,7 +55,8 @@ from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
 
-__all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS"]
+__all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
+           "random_ops"]
 
 
 @dataclass
@@ -146,9 +151,9 @@ def _runs(seq: nn.Sequential, cap: int) -> list[list[nn.Module]]:
 
 
 def _wrap_blocks(model: nn.Module, context_fn: Callable | None,
-                 layers_per_block: int | None) -> int:
+                 layers_per_block: int | None, preserve_rng_state: bool = True) -> int:
     """Make every unit of :func:`checkpoint_blocks` run under ``checkpoint``; returns how many."""
-    kw = {"use_reentrant": False}
+    kw = {"use_reentrant": False, "preserve_rng_state": preserve_rng_state}
     if context_fn is not None:
         kw["context_fn"] = context_fn
     count = 0
@@ -254,6 +259,56 @@ def _graph_stats(graph: GraphStep) -> dict:
             "graph_reserved_mb": graph.reserved_bytes / mib}
 
 
+class _SeededOps(TorchDispatchMode):
+    """Names the ops that draw random numbers (tagged ``nondeterministic_seeded``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.names.add(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def random_ops(model: nn.Module, example_batch: Sequence) -> set[str]:
+    """The random ops (dropout, ...) one forward of ``model`` on ``example_batch[0]`` runs.
+
+    The module's state (batch-norm statistics) and the RNGs are as before afterwards.
+    """
+    device = example_batch[0].device
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            torch.no_grad(), _SeededOps() as seeded:
+        model(example_batch[0])
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(saved[k])
+    return seeded.names
+
+
+def _checkpoint_graph(model, optimizer, loss_fn, example_batch, *,
+                      layers_per_block: int | None = None) -> StepFn:
+    """``checkpoint``'s step captured into one CUDA graph: the built-in that saves memory the
+    way TENSILE's recomputes do, with the host out of the step as in ``tensile_graph``.
+
+    Refused for a model that draws random numbers: ``torch.utils.checkpoint`` restores the
+    CUDA RNG for a recompute by reading its state, which a capture does not allow (on the
+    torch versions we support), and without that a recomputed dropout mask would differ.
+    """
+    drawn = random_ops(model, example_batch)
+    if drawn:
+        raise ValueError(f"checkpoint_graph needs a model that draws no random numbers in its "
+                         f"forward (its recompute could not replay them inside a CUDA graph); "
+                         f"this one runs {', '.join(sorted(drawn))}")
+    n = _wrap_blocks(model, None, layers_per_block, preserve_rng_state=False)
+    graph = GraphStep(lambda b, capturing: training_step(model, optimizer, b, loss_fn),
+                      example_batch, model, optimizer)
+    return StepFn("checkpoint_graph", lambda b: graph(*b),
+                  lambda: {"blocks": n, **_graph_stats(graph)})
+
+
 def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
     graph = GraphStep(lambda b, capturing: training_step(model, optimizer, b, loss_fn),
                       example_batch, model, optimizer)
@@ -314,6 +369,7 @@ _BUILDERS: dict[str, Callable[..., StepFn]] = {
     "tensile": _tensile,
     "graph": _graph,
     "tensile_graph": _tensile_graph,
+    "checkpoint_graph": _checkpoint_graph,
     "vdnn": _policy("vdnn"),
     "vdnn_all": _policy("vdnn_all"),
     "capuchin": _policy("capuchin"),
@@ -328,7 +384,8 @@ def make_method(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
                 loss_fn: Callable | None, example_batch: Sequence, **opts) -> StepFn:
     """The training step of method ``name`` for this model (see the module docstring).
 
-    ``opts`` are the method's own options: ``layers_per_block`` (checkpoint, sac),
+    ``opts`` are the method's own options: ``layers_per_block`` (checkpoint, sac,
+    checkpoint_graph),
     ``pin_memory`` (save_on_cpu), ``activation_memory_budget`` (compile_budget),
     ``budget``, ``simulate`` and any :class:`tensile.Scheduler` keyword (tensile, vdnn,
     vdnn_all, capuchin; capuchin needs a ``budget``).

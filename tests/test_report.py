@@ -209,6 +209,8 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     _tensile_row(store, "graph", 40.0, 1000.0, 0.0, -0.6, model="densenet121")
     _tensile_row(store, "tensile_graph", 42.0, 200.0, 0.8, -0.58, model="densenet121",
                  msr_vs_graph=0.8, eor_vs_graph=0.05)
+    _tensile_row(store, "checkpoint_graph", 50.0, 190.0, 0.81, -0.5, model="densenet121")
+    _tensile_row(store, "checkpoint", 160.0, 180.0, 0.82, 1.0, model="inception_v4")
     _tensile_row(store, "tensile_graph", 30.0, 200.0, 0.8, -0.7, model="inception_v4",
                  msr_vs_graph=0.2, eor_vs_graph=0.5)   # paper .652/.157: not met against graph
     # the graph reference counted cuBLAS workspaces (msr_vs_graph too high): the eager MSR counts
@@ -231,6 +233,9 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert v.loc["vgg16", "method"] == "tensile(max_overhead=0.1)"   # no variant meets it: most saved
     assert v.loc["inception_v3", "MSR"] == 0.45 and v.loc["inception_v3", "verdict"] == "not reproduced"
     assert v.loc["densenet121", "verdict"] == "reproduced"
+    assert v.loc["densenet121", "vs best built-in"] == "1.19x (checkpoint_graph)"   # like for like
+    assert v.loc["inception_v4", "vs best built-in"] == (
+        "5.33x (checkpoint), a captured step against an eager one")
     assert v.loc["densenet121", "method"] == "tensile_graph vs graph"
     assert (v.loc["densenet121", "MSR"], v.loc["densenet121", "EOR"]) == (0.8, 0.05)
     assert v.loc["inception_v4", "verdict"] == "not reproduced"   # its EOR against eager does not count

@@ -12,7 +12,7 @@ import torchvision
 from torch import nn
 
 import tensile
-from tensile.baselines import METHODS, LayerRuns, checkpoint_blocks, make_method
+from tensile.baselines import METHODS, LayerRuns, checkpoint_blocks, make_method, random_ops
 from tensile.plan import Recompute
 from tensile.api import Scheduler
 from tensile.policies import capuchin_plan, is_conv, vdnn_plan
@@ -88,7 +88,7 @@ def vanilla():
 
 # --------------------------------------------------------------------------- every method
 
-CAPTURED = ("graph", "tensile_graph")  # CUDA graphs: GPU tests (tests/test_tensile_gpu.py)
+CAPTURED = ("graph", "tensile_graph", "checkpoint_graph")  # CUDA graphs: GPU tests
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "compile_budget" and m not in CAPTURED])
@@ -100,15 +100,32 @@ def test_every_method_takes_three_finite_steps(name):
 
 @pytest.mark.parametrize("name, match", [
     ("graph", "a CUDA graph needs a CUDA model; the model is on cpu"),
+    ("checkpoint_graph", "a CUDA graph needs a CUDA model; the model is on cpu"),
     ("tensile_graph", r"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                       r"simulation \(model on cpu, simulate=None\)"),
 ])
 def test_captured_methods_say_they_need_cuda(name, match):
-    model = make_cnn()
+    model = make_cnn(dropout=0.0)   # checkpoint_graph refuses dropout first (below)
     opt = torch.optim.Adam(model.parameters(), capturable=True)
     opts = {k: v for k, v in RATES.items()} if name == "tensile_graph" else {}
     with pytest.raises(ValueError, match=match):
         make_method(name, model, opt, F.cross_entropy, batches(1)[0], **opts)
+
+
+def test_captured_checkpointing_refuses_a_model_that_draws_random_numbers():
+    """Inside a capture, checkpoint cannot restore the RNG for a recompute: dropout would
+    get another mask. Said before any CUDA work; the model's state is left as it was."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(8, 10))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.Adam(model.parameters(), capturable=True)
+    with pytest.raises(ValueError, match=r"checkpoint_graph needs a model that draws no random "
+                                         r"numbers .* this one runs bernoulli_"):
+        make_method("checkpoint_graph", model, opt, F.cross_entropy, batches(1)[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert random_ops(make_cnn(dropout=0.3), batches(1)[0]) == {"bernoulli_"}
+    assert random_ops(make_cnn(dropout=0.0), batches(1)[0]) == set()
 
 
 @pytest.mark.parametrize("make", [make_cnn, make_vgg_like, make_densenet],
