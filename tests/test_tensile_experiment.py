@@ -318,11 +318,12 @@ def test_presets_cover_the_papers_workloads():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tmp_path):
     from experiments.env import gpu_slug
-    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,tensile,tensile_graph]", device="cuda")
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint,tensile,tensile_graph,checkpoint_graph]",
+               device="cuda")
     run.run_config(cfg)
     gpu = gpu_slug()
     rows = _rows(tmp_path, gpu)
-    assert set(rows) == {"vanilla", "checkpoint", "tensile", "graph", "tensile_graph"}
+    assert set(rows) == {"vanilla", "checkpoint", "tensile", "graph", "tensile_graph", "checkpoint_graph"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
         assert float(r["peak_mem_mb"]) > 0 and r["extra"]["msr"] is not None
