@@ -480,8 +480,8 @@ def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
-    """``metrics`` with every captured TENSILE row (``tensile_graph(...)``) judged against
-    the captured vanilla step: its EOR becomes ``eor_vs_graph`` (empty without a ``graph``
+    """``metrics`` with every captured row (``tensile_graph(...)``, ``checkpoint_graph``)
+    judged against the captured vanilla step: its EOR becomes ``eor_vs_graph`` (empty without a ``graph``
     row), its MSR the lower of ``msr`` (against the eager vanilla step) and ``msr_vs_graph``,
     and its method reads "... vs graph".
 
@@ -491,7 +491,7 @@ def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
     step is measured before any capture.
     """
     m = metrics.copy()
-    captured = m["method"].str.match(r"tensile_graph($|\()").to_numpy()
+    captured = m["method"].str.match(r"(tensile|checkpoint)_graph($|\()").to_numpy()
     msr = pd.to_numeric(m["msr"], errors="coerce")
     msr_graph = pd.to_numeric(m["msr_vs_graph"], errors="coerce")
     m["msr"] = np.where(captured, np.fmin(msr, msr_graph).where(msr_graph.notna()), msr)

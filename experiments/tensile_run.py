@@ -58,6 +58,7 @@ EMULATED_HEADROOM = 0.9
 SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
 # one CUDA graph per step: capturable optimizer, CUDA only
 GRAPHED = ("graph", "tensile_graph", "checkpoint_graph")
+AGAINST_GRAPH = ("tensile_graph", "checkpoint_graph")   # judged against graph too (*_vs_graph)
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
 OPTIMIZERS = ("adam", "sgd")
@@ -186,8 +187,9 @@ def derived_metrics(fields: dict, ref: dict | None) -> dict:
 
 
 def _against_graph(fields: dict, graph: dict | None) -> dict:
-    """MSR and EOR of ``tensile_graph`` against ``graph`` (both captured, so the host's
-    share of the step is out of both): what the plan saves and costs on the GPU."""
+    """MSR and EOR of a captured method (``tensile_graph``, ``checkpoint_graph``) against
+    ``graph`` (both captured, so the host's share of the step is out of both): what the
+    method saves and costs on the GPU."""
     if not graph or graph.get("status") != "ok" or fields.get("status") != "ok":
         return {"msr_vs_graph": None, "eor_vs_graph": None}
     return {"msr_vs_graph": _saving(fields.get("peak_mem_mb"), graph.get("peak_mem_mb")),
@@ -414,7 +416,8 @@ def method_order(todo: list[str], capuchin_after_tensile: bool) -> list[str]:
 
     Vanilla first (the reference of every row); tensile right before capuchin when capuchin
     takes TENSILE's planned peak as its budget (``capuchin_after_tensile``); graph right
-    before tensile_graph (its own reference, the captured vanilla step).
+    before the first of tensile_graph and checkpoint_graph (their reference, the captured
+    vanilla step).
     """
     order = ["vanilla"] + [m for m in todo if m != "vanilla"]
     if "capuchin" in order and capuchin_after_tensile:
@@ -422,10 +425,11 @@ def method_order(todo: list[str], capuchin_after_tensile: bool) -> list[str]:
         if "tensile" not in order:
             order.append("tensile")
         order.insert(order.index("tensile") + 1, "capuchin")
-    if "tensile_graph" in order:
+    captured = [m for m in order if m in AGAINST_GRAPH]
+    if captured:
         if "graph" in order:
             order.remove("graph")
-        order.insert(order.index("tensile_graph"), "graph")
+        order.insert(order.index(captured[0]), "graph")
     return order
 
 
@@ -449,8 +453,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         log.info("already measured (redo=true to measure again): %s b=%s %s", cfg.model.name,
                  cfg.batch_size, common["mode"])
         return []
-    if "tensile_graph" in todo and "graph" not in todo:
-        todo.append("graph")   # measured anyway as tensile_graph's reference: keep its row
+    if set(todo) & set(AGAINST_GRAPH) and "graph" not in todo:
+        todo.append("graph")   # measured anyway as their reference: keep its row
     fraction = _memory_fraction(exp, device)
     order = method_order(todo, capuchin_after_tensile=exp.budget is None and fraction is None)
 
@@ -469,7 +473,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     rates = machine_rates(device) if set(order) & set(RATED) else {}
     if device == "cuda" and set(order) & set(GRAPHED):
         warm_capture_streams(device)
-    graph_row: dict | None = None   # the captured vanilla step: tensile_graph's own reference
+    graph_row: dict | None = None   # the captured vanilla step: AGAINST_GRAPH's reference
     for name in order:
         _release(device)
         opts: dict = {}
@@ -502,7 +506,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         if name not in todo:
             continue
         extra.update(derived_metrics(fields, ref))
-        if name == "tensile_graph":   # the plan's own cost: against the captured vanilla step
+        if name in AGAINST_GRAPH:   # the method's own cost: against the captured vanilla step
             extra.update(_against_graph(fields, graph_row))
         if ref is not None and ref["status"] != "ok":
             extra["vanilla_reason"] = ref["reason"]

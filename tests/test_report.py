@@ -439,16 +439,17 @@ def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
 
 def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_against_graph():
     metrics = pd.DataFrame({
-        "model": ["resnet50"] * 5 + ["vgg16", "resnet50"], "batch_size": [16] * 7,
-        "mode": ["whole-step"] * 7,
+        "model": ["resnet50"] * 5 + ["vgg16", "resnet50", "resnet50"], "batch_size": [16] * 8,
+        "mode": ["whole-step"] * 8,
         "method": ["vanilla", "checkpoint", "tensile", "graph", "tensile_graph", "tensile",
-                   "tensile_graph(max_overhead=0.1)"],
-        "mean_ms": [1.0] * 7, "peak_mem_mb": [1.0] * 7,
-        "msr": [0.0, 0.4, 0.3, 0.0, 0.7, 0.05, 0.1], "eor": [0.0, 1.3, 1.6, -0.6, -0.5, 0.02, 0.5],
-        "msr_vs_graph": [None, None, None, None, 0.5, None, 0.2],   # the lower MSR counts
-        "eor_vs_graph": [None, None, None, None, 0.1, None, 1.5],
-        "commit": ["b"] * 6 + ["a"],          # the last: an older captured run of ResNet-50
-        "date": ["2026-11-30"] * 6 + ["2026-11-29"]})
+                   "tensile_graph(max_overhead=0.1)", "checkpoint_graph"],
+        "mean_ms": [1.0] * 8, "peak_mem_mb": [1.0] * 8,
+        "msr": [0.0, 0.4, 0.3, 0.0, 0.7, 0.05, 0.1, 0.6],
+        "eor": [0.0, 1.3, 1.6, -0.6, -0.5, 0.02, 0.5, -0.4],
+        "msr_vs_graph": [None, None, None, None, 0.5, None, 0.2, 0.55],   # the lower MSR counts
+        "eor_vs_graph": [None, None, None, None, 0.1, None, 1.5, 0.3],
+        "commit": ["b"] * 6 + ["a", "b"],     # the 7th: an older captured run of ResNet-50
+        "date": ["2026-11-30"] * 6 + ["2026-11-29", "2026-11-30"]})
     paper = pd.DataFrame({"model": ["resnet50"], "msr": [0.671], "eor": [0.609]})
     fig = report.plot_tensile_tradeoff(metrics, paper)
     panels = [ax for ax in fig.axes if ax.get_visible()]
@@ -456,6 +457,7 @@ def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_ag
     labels = {t.get_text(): t.xy for t in panels[0].texts}
     assert labels["tensile_graph vs graph"] == (0.1, 0.5)       # against the captured vanilla step
     assert labels["tensile_graph(max_overhead=0.1) vs graph (a, older code)"] == (1.5, 0.1)
+    assert labels["checkpoint_graph vs graph"] == (0.3, 0.55)   # the captured built-in, like for like
     assert "vanilla" not in labels and "graph" not in labels      # the references are not methods
     assert labels["checkpoint"] == (1.3, 0.4)
     assert report.plot_tensile_tradeoff(metrics.assign(batch_size=32), paper) is None

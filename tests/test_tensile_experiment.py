@@ -258,6 +258,8 @@ def test_methods_run_after_what_they_are_measured_against():
     assert order(["capuchin", "tensile"], False) == ["vanilla", "capuchin", "tensile"]  # own budget
     assert order(["tensile_graph", "graph", "sac"], True) == ["vanilla", "graph", "tensile_graph", "sac"]
     assert order(["tensile_graph"], True) == ["vanilla", "graph", "tensile_graph"]
+    assert order(["checkpoint_graph", "tensile_graph"], True) == [
+        "vanilla", "graph", "checkpoint_graph", "tensile_graph"]
 
 
 def test_setting_and_label_name_what_changes_the_measurement():
@@ -331,6 +333,7 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
         assert (e["peak_reserved_mb"] + e["resident_reserved_before_mb"]
                 >= float(r["peak_mem_mb"]) + e["resident_before_mb"] - 0.1)
     assert rows["vanilla"]["extra"]["msr"] == 0
+    assert rows["checkpoint_graph"]["extra"]["eor_vs_graph"] is not None
     captured = rows["tensile_graph"]["extra"]
     # the capture streams' cuBLAS workspaces exist before either graphed method is measured
     assert captured["resident_before_mb"] == pytest.approx(
