@@ -50,7 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
-from .api import Scheduler
+from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
@@ -329,7 +329,11 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
     report = sched.report()   # the captured plan's (the graph keeps it: no later re-plan)
 
     def stats() -> dict:
+        copies = sched.runner.captured_copy_rates()   # in the latest replay
         return {**_graph_stats(graph), **report.plan_figures(), **report.plan_check(),
+                "d2h_gbps_captured": gb_per_s(copies["d2h_bytes_per_s"]),
+                "h2d_gbps_captured": gb_per_s(copies["h2d_bytes_per_s"]),
+                "copy_ms_captured": copies["copy_ms"],
                 # every replay repeats the captured step's copies: the plan's
                 "bytes_moved_per_step": sched.plan.bytes_moved,
                 # the replay time of the captured vanilla step the plan was made for

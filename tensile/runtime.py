@@ -388,6 +388,7 @@ class PlanRunner:
         self._in_step = False
         self._prev_iter = None
         self.capturing = False   # this step is being captured into a CUDA graph
+        self.captured_copies: list = []   # the capture's copies: (direction, bytes, start, end)
         if not recording.boundaries or len(recording.funcs) != len(self.nodes):
             raise ValueError("the recording has no anchors (op objects, phase changes): "
                              "record it with tensile.record.record_step")
@@ -542,6 +543,7 @@ class PlanRunner:
         """
         if capturing:
             self.check_capturable(measure_ops, init_step)
+            self.captured_copies = []
         self.capturing = capturing
         self._begin(measure_ops, init_step)
         try:
@@ -1008,7 +1010,15 @@ class PlanRunner:
     @contextlib.contextmanager
     def _timed_copy(self, direction: str, nbytes: int, stream):
         """On timed steps, time the copy made inside (events on ``stream``; host clock in
-        simulation) for :meth:`_count_copies`."""
+        simulation) for :meth:`_count_copies`. In a capture, external timing events go into
+        the graph with the copy: :meth:`captured_copy_rates` reads them after a replay."""
+        if self.capturing:
+            start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+            start.record(stream)
+            yield
+            end.record(stream)
+            self.captured_copies.append((direction, nbytes, start, end))
+            return
         if not self.measure:
             yield
             return
@@ -1022,6 +1032,21 @@ class PlanRunner:
         yield
         end.record(stream)
         self._copies.append((direction, nbytes, (start, end)))
+
+    def captured_copy_rates(self) -> dict[str, float | None]:
+        """What the captured step's copies took in the graph's latest replay: bytes per second
+        each way (``d2h_bytes_per_s``, ``h2d_bytes_per_s``; None without copies) and the
+        summed copy time (``copy_ms``). Call after a replay; it waits for the device."""
+        if self.simulate or not self.captured_copies:
+            return {"d2h_bytes_per_s": None, "h2d_bytes_per_s": None, "copy_ms": None}
+        torch.cuda.synchronize(self.device)
+        moved = {"d2h": [0, 0.0], "h2d": [0, 0.0]}
+        for direction, nbytes, start, end in self.captured_copies:
+            moved[direction][0] += nbytes
+            moved[direction][1] += start.elapsed_time(end)
+        return {"d2h_bytes_per_s": bytes_per_s(*moved["d2h"]),
+                "h2d_bytes_per_s": bytes_per_s(*moved["h2d"]),
+                "copy_ms": moved["d2h"][1] + moved["h2d"][1]}
 
     def _count_copies(self) -> None:
         """Add a timed step's copies to the stats (a copy-out issued late in the step may

@@ -208,6 +208,11 @@ def test_captured_swap_plan_trains_bit_identically_to_eager():
     assert sched.plan.swaps and not sched.plan.recomputes
     for a, b in zip(states(m0, o0), states(m1, o1)):
         assert torch.equal(a, b), "the captured TENSILE step differs from eager"
+    # the copies inside the replays were timed by events captured with them
+    copies = sched.runner.captured_copy_rates()
+    assert len(sched.runner.captured_copies) == 2 * len(sched.plan.swaps)
+    assert copies["d2h_bytes_per_s"] > 1e9 and copies["h2d_bytes_per_s"] > 1e9
+    assert copies["copy_ms"] > 0
 
 
 def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step():
