@@ -42,7 +42,6 @@ from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
-from tensile.graph import GraphStep
 from tensile.step import training_step
 
 log = logging.getLogger(__name__)
@@ -344,8 +343,8 @@ def warm_capture_streams(device: str) -> None:
     model = torch.nn.Linear(64, 8, device=device)
     opt = torch.optim.Adam(model.parameters(), capturable=True)
     batch = (torch.randn(16, 64, device=device), torch.randint(0, 8, (16,), device=device))
-    training_step(model, opt, batch, F.cross_entropy)
-    GraphStep(lambda b, capturing: training_step(model, opt, b, F.cross_entropy), batch, model, opt)
+    training_step(model, opt, batch, F.cross_entropy)   # the compute stream's workspace too
+    make_method("graph", model, opt, F.cross_entropy, batch)
 
 
 def machine_rates(device: str) -> dict[str, float]:

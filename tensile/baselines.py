@@ -303,10 +303,8 @@ def _checkpoint_graph(model, optimizer, loss_fn, example_batch, *,
                          f"forward (its recompute could not replay them inside a CUDA graph); "
                          f"this one runs {', '.join(sorted(drawn))}")
     n = _wrap_blocks(model, None, layers_per_block, preserve_rng_state=False)
-    graph = GraphStep(lambda b, capturing: training_step(model, optimizer, b, loss_fn),
-                      example_batch, model, optimizer)
-    return StepFn("checkpoint_graph", lambda b: graph(*b),
-                  lambda: {"blocks": n, **_graph_stats(graph)})
+    captured = _graph(model, optimizer, loss_fn, example_batch)   # the wrapped step, captured
+    return StepFn("checkpoint_graph", captured.run, lambda: {"blocks": n, **captured.stats()})
 
 
 def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
