@@ -483,9 +483,9 @@ def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
 
 def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
     """``metrics`` with every captured row (``tensile_graph(...)``, ``checkpoint_graph``)
-    judged against the captured vanilla step: its EOR becomes ``eor_vs_graph`` (empty without a ``graph``
-    row), its MSR the lower of ``msr`` (against the eager vanilla step) and ``msr_vs_graph``,
-    and its method reads "... vs graph".
+    judged against the captured vanilla step: its EOR becomes ``eor_vs_graph`` (empty
+    without a ``graph`` row), its MSR the lower of ``msr`` (against the eager vanilla step)
+    and ``msr_vs_graph``, and its method reads "... vs graph".
 
     The lower MSR: before a6a8dd2, the first graphed job of a process counted the capture
     streams' cuBLAS workspaces (130 MB on an H200) in the ``graph`` row's peak and not in

@@ -437,8 +437,9 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     updates in scratch copies. Every other input must be unmodified until op ``j`` and
     resident then: not ``moved``, or itself recomputed (in ``rebuilt``), in which case
     it is rebuilt first, by op ``j`` (the caller decides whether it then stays until its
-    own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`). Chains of recomputes rebuild a run of layers from one kept tensor,
-    as activation checkpointing does. ``cache`` keeps what does not change between calls
+    own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`).
+    Chains of recomputes rebuild a run of layers from one kept tensor, as activation
+    checkpointing does. ``cache`` keeps what does not change between calls
     for one ``sid`` and ``i`` (a planner's rounds ask again and again).
     """
     if cache is not None and sid in cache:
