@@ -102,7 +102,6 @@ import queue
 import re
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile

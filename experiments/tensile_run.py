@@ -336,8 +336,8 @@ def warm_capture_streams(device: str) -> None:
     workspaces before any method is measured.
 
     cuBLAS keeps a workspace per stream for the life of the process (65 MiB on an H200):
-    the first graphed method of a process would count those of the warm-up and capture
-    streams (130 MB), the next one not, and ``msr_vs_graph`` of a process's first job
+    the first graphed method of a process would count that of the warm-up stream (which
+    the capture runs on too, ``tensile.graph.warmup_stream``), the next one not, and ``msr_vs_graph`` of a process's first job
     would favour ``tensile_graph`` by that much.
     """
     model = torch.nn.Linear(64, 8, device=device)

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from .streams import side_stream
+
 __all__ = [
     "estimate_op_times",
     "OpTimeModel",
@@ -244,9 +246,8 @@ def measure_copy_bandwidth(device: torch.device | str, mib: int = 256,
     host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(mib << 20, dtype=torch.uint8, device=device)
     rates = []
-    for dst, src in ((host, dev), (dev, host)):
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
+    for dst, src, role in ((host, dev, "d2h"), (dev, host, "h2d")):
+        with torch.cuda.stream(side_stream(device, role)):   # the runtime's copy streams
             s = _best_time(lambda: dst.copy_(src, non_blocking=True), device, repeats)
         rates.append(host.numel() / s)
     return rates[0], rates[1]

@@ -24,7 +24,6 @@ overwritten by the next replay.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import torch
@@ -34,26 +33,26 @@ from nimble.allocator import GraphMemoryMeter
 from nimble.capture import check_allocator, check_call_inputs, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
+from .streams import side_stream
+
 __all__ = ["GraphStep", "warmup_stream"]
 
 # step(batch, capturing) runs one training step and returns the (detached) loss.
 StepFn = Callable[[tuple, bool], torch.Tensor]
 
 
-@functools.lru_cache(maxsize=None)
-def _warmup_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(index)
-
-
 def warmup_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
-    """The one side stream per device that every warm-up before a capture runs on.
+    """The one side stream per device that every warm-up before a capture, and the
+    capture itself, run on.
 
     cuBLAS keeps a workspace (65 MiB on an H200, torch 2.11) for every stream it ran on,
     for the life of the process. A fresh stream per warm-up left one more workspace
     behind each time: 260 MB per captured TENSILE step (three warm-ups and the timing
-    graph), counted in its peak and held by every later job of the process.
+    graph), counted in its peak and held by every later job of the process. It is not a
+    ``torch.cuda.Stream`` either, nor is ``torch.cuda.graph``'s default capture stream
+    used: the first of those creates PyTorch's stream pool (:mod:`tensile.streams`).
     """
-    return _warmup_stream(torch.cuda._utils._get_device_index(device, optional=True))
+    return side_stream(device, "warmup")
 
 
 class GraphStep:
@@ -97,7 +96,7 @@ class GraphStep:
         torch.cuda.reset_peak_memory_stats(device)
         meter = GraphMemoryMeter()    # synchronises and empties the cache first
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=warmup_stream(device)):
             self.static_loss = step(self.static_batch, True)
         torch.cuda.synchronize(device)
         self.peak_bytes = torch.cuda.max_memory_allocated(device)

@@ -82,7 +82,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     start = torch.cuda.Event(enable_timing=True, external=True)
     marks = _EventAfterEachOp()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         start.record()
         with marks:
             training_step(model, optimizer, batch, loss_fn)

@@ -85,6 +85,7 @@ from torch.utils._pytree import tree_map
 from .plan import Plan, Recompute, Swap
 from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
 from .step import training_step
+from .streams import side_stream
 
 __all__ = ["PlanMismatchError", "RuntimeStats", "StepResult", "PlanRunner", "bytes_per_s"]
 
@@ -376,8 +377,9 @@ class PlanRunner:
         if simulate:
             self.d2h = self.h2d = None
         else:
-            self.d2h = torch.cuda.Stream(self.device)
-            self.h2d = torch.cuda.Stream(self.device)
+            # not torch.cuda.Stream: its pool holds 70 MB outside the allocator (streams.py)
+            self.d2h = side_stream(self.device, "d2h")
+            self.h2d = side_stream(self.device, "h2d")
         self._pool: torch.Tensor | None = None
         self._regions: dict[int, torch.Tensor] = {}
         self._persistent: dict[int, _Persistent] = {}

@@ -4,6 +4,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -365,3 +369,39 @@ def test_captured_checkpointing_trains_like_eager_checkpointing_in_less_memory_t
           f"graph {graph['graph_peak_mb']:.1f} MiB")
     assert captured["blocks"] > 1
     assert captured["graph_peak_mb"] < graph["graph_peak_mb"]
+
+
+def test_side_streams_are_non_blocking_and_start_no_stream_pool():
+    """The runtime's copy streams (tensile.streams) hold next to no device memory outside the
+    allocator; the first torch.cuda.Stream() of a process creates PyTorch's stream pool
+    (70 MB outside the allocator on an H200). A fresh process, so that no earlier test has
+    created the pool already. Non-blocking, or the copies would wait for the compute on the
+    legacy default stream."""
+    code = textwrap.dedent("""
+        import ctypes, torch
+        import tensile.streams as ts
+        def outside():
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            return (total - free - torch.cuda.memory_reserved()) / 2**20
+        torch.ones(1, device="cuda")
+        before = outside()
+        d2h, h2d = ts.side_stream(0, "d2h"), ts.side_stream(0, "h2d")
+        with torch.cuda.stream(d2h):
+            torch.ones(1 << 20, device="cuda").sum()
+        ours = outside() - before
+        flags = ctypes.c_uint()
+        ts._cudart().cudaStreamGetFlags(ctypes.c_void_p(d2h.cuda_stream), ctypes.byref(flags))
+        torch.cuda.Stream()
+        pool = outside() - before - ours
+        print(ours, pool, flags.value, d2h.cuda_stream != h2d.cuda_stream,
+              ts.side_stream(0, "d2h").cuda_stream == d2h.cuda_stream)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(tensile.__file__)))
+    assert out.returncode == 0, out.stderr
+    ours, pool, flags, distinct, same = out.stdout.split()
+    print(f"side streams {float(ours):.1f} MiB, stream pool {float(pool):.1f} MiB outside the allocator")
+    assert float(ours) < 8
+    assert flags == "1"                      # cudaStreamNonBlocking
+    assert distinct == "True" and same == "True"
