@@ -56,7 +56,10 @@ class Recompute:
     ``transient`` are recomputed tensors that this rebuild reads but that are not back
     yet (their own ``before_op`` is later): they are rebuilt for it and dropped again
     right after (present, for the memory count, during ``before_op``). ``cost_ms`` is
-    the time of all rerun ops, theirs included.
+    the time of all rerun ops, theirs included. ``kept`` are sources that the step no
+    longer reads after their forward use (a DenseNet layer's new features, read only by
+    the concatenations after it): the plan keeps them from their last read until this
+    recompute runs, which needs them (by ``before_op``; the runtime's recipe holds them).
     """
 
     sid: int
@@ -69,6 +72,7 @@ class Recompute:
     then_ops: list[int] = field(default_factory=list)
     scratch: list[int] = field(default_factory=list)
     transient: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from .plan import Plan, Recompute, Swap
-from .simulate import simulate
+from .simulate import kept_ranges, simulate
 from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 
 __all__ = ["plan"]
@@ -213,6 +213,7 @@ class PlanState:
         self.transient_ok = True  # may rebuild a recompute's dropped inputs for it alone
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
+        self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
 
     # -------------------------------------------------------------- helpers
     def resident_candidates(self, p: int, min_bytes: int, pinned_too: bool = False) -> list[int]:
@@ -322,9 +323,11 @@ class PlanState:
 
     def try_recompute(self, p: int, min_bytes: int, max_cost_ms: float = float("inf")) -> bool:
         """Drop the resident activation with the most bytes freed per ms of recompute,
-        among those whose recomputation costs at most ``max_cost_ms``."""
+        among those whose recomputation costs at most ``max_cost_ms``; or a group of them
+        that keep the same sources (:meth:`_best_group`), if that frees more per ms."""
         tl = self.tl
-        best: tuple[float, Recompute] | None = None
+        best: tuple[float, list[Recompute]] | None = None
+        sharing: list[Recompute] = []   # would free nothing alone: all they drop, they keep
         for sid in self.resident_candidates(p, min_bytes, pinned_too=True):
             gap = self.gaps.get(sid, False)
             if gap is False:
@@ -335,15 +338,102 @@ class PlanState:
             j = min([gap[1]] + [d.before_op for d in self.dependents.get(sid, [])])
             if not p < j:
                 continue
-            r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops)
-            if r is None or not self._affordable(r, p, max_cost_ms):
+            r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops,
+                             keep_sources=True)
+            if r is None:
                 continue
-            score = r.nbytes / r.cost_ms
+            added = self._kept_added(r)
+            net = r.nbytes - sum(nb for _, lo, hi, nb in added if lo <= p <= hi)
+            if net <= 0:
+                if added and not self._not_back_by(r) and r.cost_ms <= max_cost_ms + EPS:
+                    sharing.append(r)
+                continue
+            if not self._affordable(r, p, max_cost_ms, added):
+                continue
+            score = net / r.cost_ms
             if best is None or score > best[0]:
-                best = (score, r)
+                best = (score, [r])
+        group = self._best_group(sharing, p, max_cost_ms)
+        if group is not None and (best is None or group[0] > best[0]):
+            best = group
         if best is None:
             return False
-        r = best[1]
+        for r in best[1]:
+            self._commit_recompute(r)
+        return True
+
+    def _best_group(self, sharing: list[Recompute], p: int,
+                    max_cost_ms: float) -> tuple[float, list[Recompute]] | None:
+        """Recomputes that each keep as much as they drop can free memory together when
+        they keep the same sources: a DenseNet block's concatenations all join the block's
+        input and its layers' new features, so keeping those once lets every concatenation
+        go (memory-efficient DenseNet). Groups by shared kept sources; per group, the
+        cheapest bytes first within ``max_cost_ms``; the group's score (bytes freed at
+        ``p`` per ms) if it lowers the peak, for the best group."""
+        root: dict[int, int] = {}
+
+        def find(x: int) -> int:
+            while root.setdefault(x, x) != x:
+                x = root[x]
+            return x
+
+        for r in sharing:
+            for src in r.kept[1:]:
+                root[find(src)] = find(r.kept[0])
+        groups: dict[int, list[Recompute]] = {}
+        for r in sharing:
+            groups.setdefault(find(r.kept[0]), []).append(r)
+        best = None
+        for members in groups.values():
+            dropped = {r.sid for r in members}
+            members = [r for r in members if not dropped & set(r.sources)]  # no chains here
+            members.sort(key=lambda r: (-r.nbytes / r.cost_ms, r.sid))
+            chosen, cost = [], 0.0
+            for r in members:
+                if cost + r.cost_ms <= max_cost_ms + EPS:
+                    chosen.append(r)
+                    cost += r.cost_ms
+            if len(chosen) < 2:
+                continue
+            lowered = self._group_curve(chosen, p)
+            if lowered is None:
+                continue
+            score = lowered / cost
+            if best is None or score > best[0]:
+                best = (score, chosen)
+        return best
+
+    def _group_curve(self, group: list[Recompute], p: int) -> int | None:
+        """Bytes ``group`` frees at ``p``, with the sources it keeps counted once; None if
+        the memory it changes would not stay below the current peak."""
+        ends: dict[int, int] = {}
+        for r in group:
+            for src in r.kept:
+                ends[src] = max(ends.get(src, -1), r.before_op)
+        lo = min([r.release_after_op + 1 for r in group]
+                 + [self.kept_hi.get(s, self.tl.vanilla_range(s)[1]) + 1 for s in ends])
+        hi = max(r.before_op for r in group)
+        delta = np.zeros(hi - lo + 1, dtype=np.int64)
+        for src, end in ends.items():
+            a = self.kept_hi.get(src, self.tl.vanilla_range(src)[1]) + 1
+            if a <= end:
+                delta[a - lo:end - lo + 1] += self.tl.tensors[src].nbytes
+        for r in group:
+            a, b = r.release_after_op + 1, r.before_op - 1
+            if a <= b:
+                delta[a - lo:b - lo + 1] -= r.nbytes
+        changed = delta != 0
+        if not changed.any() or not lo <= p <= hi or delta[p - lo] >= 0:
+            return None
+        if int((self.mem[lo:hi + 1] + delta)[changed].max()) >= int(self.mem[p]):
+            return None
+        return int(-delta[p - lo])
+
+    def _commit_recompute(self, r: Recompute) -> None:
+        """Add ``r`` to the plan and the memory curve."""
+        for src, lo, hi, nb in self._kept_added(r):
+            self.mem[lo:hi + 1] += nb
+            self.kept_hi[src] = hi
         self.recomputes.append(r)
         self.rebuilt[r.sid] = r
         self.recompute_ms += r.cost_ms
@@ -362,23 +452,59 @@ class PlanState:
                     first.cost_ms -= saved
                     self.recompute_ms -= saved
                     first.transient = []
+            self._shorten_kept()
         for src in r.sources:
             self.dependents.setdefault(src, []).append(r)
             if src not in self.moved:  # never swapped: they must be there for the recompute
                 self.free[self.row[src]] = False
                 self.pinned[self.row[src]] = True
-        return True
 
-    def _affordable(self, r: Recompute, p: int, max_cost_ms: float) -> bool:
+    def _kept_added(self, r: Recompute) -> list[tuple[int, int, int, int]]:
+        """The memory that keeping ``r``'s ``kept`` sources adds: (sid, first op, last op,
+        bytes) beyond what earlier recomputes keep them for already."""
+        out = []
+        for src in r.kept:
+            lo = self.kept_hi.get(src, self.tl.vanilla_range(src)[1]) + 1
+            if lo <= r.before_op:
+                out.append((src, lo, r.before_op, self.tl.tensors[src].nbytes))
+        return out
+
+    def _shorten_kept(self) -> None:
+        """Recomputes rebuilt earlier now (``_early_rebuilds``) need their kept sources
+        for less long: give that memory back, as :func:`simulate` counts it."""
+        for src, (_, hi) in kept_ranges(self.tl, self.recomputes).items():
+            old = self.kept_hi[src]
+            if hi < old:
+                self.mem[hi + 1:old + 1] -= self.tl.tensors[src].nbytes
+                self.kept_hi[src] = hi
+
+    def _kept_below(self, r: Recompute, p: int, added: list) -> bool:
+        """With ``r``'s sources kept (``added``) and ``r`` dropped, does the memory up to
+        its rebuild stay below the current peak at ``p``? Else keeping only moves it."""
+        if not added:
+            return True
+        lo, hi = min(a[1] for a in added), r.before_op
+        seg = self.mem[lo:hi + 1].copy()
+        for _, a, b, nb in added:
+            seg[a - lo:b - lo + 1] += nb
+        x, y = max(r.release_after_op + 1, lo), r.before_op - 1
+        if x <= y:
+            seg[x - lo:y - lo + 1] -= r.nbytes
+        return int(seg.max()) < int(self.mem[p])
+
+    def _affordable(self, r: Recompute, p: int, max_cost_ms: float, added: list) -> bool:
         """Can ``r`` lower the peak at ``p`` within ``max_cost_ms``? Its sources that are
         recomputed but not back by its ``before_op`` are rebuilt for it alone (``r`` then
         lists them as ``transient`` and pays for them) if that fits the allowance and the
         momentary memory stays below the peak, else rebuilt early and kept until their
-        own use, if the memory they add stays below the peak."""
+        own use, if the memory they add stays below the peak. Sources it keeps past their
+        last read (``added``, :meth:`_kept_below`) must leave the memory below the peak too."""
+        if not self._kept_below(r, p, added):
+            return False
         later = self._not_back_by(r)
         if later and self.transient_ok:
             cost = r.cost_ms + sum(self._chain_ms(q) for q in later)
-            extra = sum(q.nbytes for q in later)
+            extra = sum(q.nbytes for q in later) + sum(a[3] for a in added)
             if cost <= max_cost_ms + EPS and int(self.mem[r.before_op]) + extra < int(self.mem[p]):
                 r.cost_ms, r.transient = cost, sorted(q.sid for q in later)
                 return True
@@ -426,7 +552,8 @@ SCRATCH_OK = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_n
 
 def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
                  rebuilt: dict[int, Recompute] | None = None,
-                 cache: dict[int, tuple | None] | None = None) -> Recompute | None:
+                 cache: dict[int, tuple | None] | None = None,
+                 keep_sources: bool = False) -> Recompute | None:
     """How to rebuild activation ``sid``, dropped after op ``i``, before op ``j``; None
     where the runtime cannot.
 
@@ -439,8 +566,12 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     it is rebuilt first, by op ``j`` (the caller decides whether it then stays until its
     own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`).
     Chains of recomputes rebuild a run of layers from one kept tensor, as activation
-    checkpointing does. ``cache`` keeps what does not change between calls
-    for one ``sid`` and ``i`` (a planner's rounds ask again and again).
+    checkpointing does. ``keep_sources``: an input that the step reads only in forward
+    and is done with before op ``j`` may be kept until then (``Recompute.kept``; the
+    caller counts its memory): a concatenation is rebuilt from the small tensors it
+    joined (DenseNet, Inception), as memory-efficient DenseNet does. ``cache`` keeps
+    what does not change between calls for one ``sid`` and ``i`` (a planner's rounds
+    ask again and again).
     """
     if cache is not None and sid in cache:
         ops = cache[sid]
@@ -451,14 +582,20 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     if ops is None:
         return None
     prod, then, scratch, sources = ops
+    kept = []
     for src in sources:
         s = tl.tensors[src]
         gone = src in moved and (rebuilt is None or src not in rebuilt)
-        if gone or (not s.persistent and s.last < j) or any(prod < w <= j for w in s.writes):
+        if gone or any(prod < w <= j for w in s.writes):
             return None                   # it would not be there, unchanged, at op j
+        if not s.persistent and s.last < j:   # the step is done with it before op j
+            if not keep_sources or src in moved or tl.backward_gap(src) is not None:
+                return None
+            kept.append(src)              # kept until the rebuild (forward-only tensors)
     return Recompute(sid=sid, nbytes=tl.tensors[sid].nbytes, producer_op=prod, release_after_op=i,
                      before_op=j, cost_ms=_rerun_ms(tl, prod, then),
-                     sources=list(sources), then_ops=list(then), scratch=list(scratch))
+                     sources=list(sources), then_ops=list(then), scratch=list(scratch),
+                     kept=kept)
 
 
 def _rerun_ms(tl: AccessTimeline, producer: int, then: list[int]) -> float:

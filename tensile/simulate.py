@@ -10,7 +10,9 @@ per op, conservatively:
 * cross-iteration swap: gone from op 0 of the (next) iteration up to ``in_issue_op``, or,
   when its copy-out runs past the iteration end, from the first op that starts after it;
 * recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive; the
-  inputs rebuilt only for it (``transient``) count once more during ``before_op``.
+  inputs rebuilt only for it (``transient``) count once more during ``before_op``;
+* source kept for a recompute (``kept``): resident past its last read, up to and
+  including the latest ``before_op`` of the recomputes that keep it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import numpy as np
 from .plan import Plan
 from .timeline import AccessTimeline
 
-__all__ = ["SimResult", "simulate", "absent_ranges"]
+__all__ = ["SimResult", "simulate", "absent_ranges", "kept_ranges"]
 
 
 @dataclass
@@ -52,6 +54,18 @@ def absent_ranges(timeline: AccessTimeline, plan: Plan) -> dict[int, tuple[int, 
     return out
 
 
+def kept_ranges(timeline: AccessTimeline, recomputes) -> dict[int, tuple[int, int]]:
+    """Per source kept for recomputes (``Recompute.kept``), the ops ``(lo, hi)`` (inclusive)
+    it stays resident past its last read: to the latest ``before_op`` of those recomputes."""
+    out: dict[int, tuple[int, int]] = {}
+    for r in recomputes:
+        for sid in r.kept:
+            _known(timeline, sid)
+            lo = timeline.vanilla_range(sid)[1] + 1
+            out[sid] = (lo, max(out.get(sid, (lo, r.before_op))[1], r.before_op))
+    return out
+
+
 def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
     """Resident bytes during every op with ``plan`` applied (``None``: vanilla)."""
     n = timeline.num_ops
@@ -66,6 +80,9 @@ def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
             if a <= b:
                 diff[a] -= t.nbytes
                 diff[b + 1] += t.nbytes
+    for sid, (lo, hi) in (kept_ranges(timeline, plan.recomputes) if plan is not None else {}).items():
+        diff[lo] += timeline.tensors[sid].nbytes
+        diff[hi + 1] -= timeline.tensors[sid].nbytes
     for r in plan.recomputes if plan is not None else []:
         if r.transient:   # inputs rebuilt only for this recompute, gone right after it
             extra = sum(timeline.tensors[s].nbytes for s in r.transient)

@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensile.plan import Plan, Recompute, Swap
+import tensile.planner
 from tensile.planner import _greedy, plan
-from tensile.simulate import absent_ranges, simulate
+from tensile.simulate import absent_ranges, kept_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
 EPS = 1e-6
@@ -177,10 +178,17 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
             if src in rebuilt:
                 assert rebuilt[src].before_op <= r.before_op or src in r.transient, \
                     "a source is rebuilt after its reader"
+    assert set(r.kept) <= set(r.sources)
+    kept_to = kept_ranges(tl, p.recomputes)
     for src in r.sources:
         st_ = tl.tensors[src]
         assert src not in swapped, "a recompute source is swapped"
-        assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
+        if src in r.kept:   # done with in forward, kept (and counted) until the rebuild
+            assert not st_.persistent and st_.last < r.before_op and src not in rebuilt
+            assert tl.backward_gap(src) is None
+            assert kept_to[src] == (st_.last + 1, kept_to[src][1]) and kept_to[src][1] >= r.before_op
+        else:
+            assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
         assert not [w for w in st_.writes if r.producer_op < w <= r.before_op]
 
 
@@ -475,3 +483,58 @@ def test_a_recompute_may_read_a_dropped_tensor_that_is_rebuilt_first():
     # 10 is read again only by op 6, but 11's rebuild (before op 5) reads it: rebuilt by 5
     assert by_sid[11].sources == [10] and by_sid[10].before_op == by_sid[11].before_op == 5
     check_plan(tl, p)
+
+
+
+def _dense_block() -> AccessTimeline:
+    """A DenseNet block of three layers (batch norms left out): the stem's output x, then
+    c0 = cat(x) → f1 = conv(c0); c1 = cat(x, f1) → f2 = conv(c1); c2 = cat(x, f1, f2) →
+    f3 = conv(c2); c3 = cat(x, f1, f2, f3) → head. Backward reads the concatenations (the
+    convs' inputs), never x or the new features f: those are done with in forward. A
+    concatenation is as large as what it joins, so dropping one while keeping its inputs
+    frees nothing at the peak (in the loss, past their last read); keeping the inputs once
+    serves all of them."""
+    ops = [
+        ("stem", "forward", 1.0, [0, 20], [1]),
+        ("aten.cat.default", "forward", 0.1, [1], [5]),
+        ("aten.convolution.default", "forward", 1.0, [5, 21], [2]),
+        ("aten.cat.default", "forward", 0.1, [1, 2], [6]),
+        ("aten.convolution.default", "forward", 1.0, [6, 22], [3]),
+        ("aten.cat.default", "forward", 0.1, [1, 2, 3], [7]),
+        ("aten.convolution.default", "forward", 1.0, [7, 23], [4]),
+        ("aten.cat.default", "forward", 0.1, [1, 2, 3, 4], [8]),
+        ("head", "forward", 1.0, [8, 24], [9]),
+        ("loss", "loss", 1.0, [9], [10, 16]),       # 16: scratch, the peak
+        ("head_bwd", "backward", 1.0, [10, 8, 24], [11]),
+        ("conv3_bwd", "backward", 1.0, [11, 7, 23], [12]),
+        ("conv2_bwd", "backward", 1.0, [12, 6, 22], [13]),
+        ("conv1_bwd", "backward", 1.0, [13, 5, 21], [14]),
+        ("stem_bwd", "backward", 1.0, [14, 0], [15]),
+    ]
+    sizes = {0: MB, 1: 4 * MB, 2: MB, 3: MB, 4: MB, 5: 4 * MB, 6: 5 * MB, 7: 6 * MB, 8: 7 * MB,
+             9: MB, 10: 4, 11: MB, 12: MB, 13: MB, 14: MB, 15: MB, 16: 8 * MB}
+    sizes.update({k: 4 for k in range(20, 25)})
+    roles = {0: "input", **{k: "param" for k in range(20, 25)}}
+    return AccessTimeline.from_ops(ops, sizes, roles)
+
+
+def test_concatenations_are_rebuilt_from_the_inputs_they_joined_kept_once(monkeypatch):
+    tl = _dense_block()
+    slow = dict(d2h_bw=1e3, h2d_bw=1e3, max_overhead=1.0)
+    p = plan(tl, **slow)
+    check_plan(tl, p, max_overhead=1.0)
+    by_sid = {r.sid: r for r in p.recomputes}
+    assert {5, 6, 7} <= set(by_sid), p
+    assert set(by_sid[7].kept) == {1, 2, 3}
+    assert kept_ranges(tl, p.recomputes)[1] == (tl.tensors[1].last + 1, by_sid[5].before_op)
+    # one at a time, none of them would lower the peak
+    monkeypatch.setattr(tensile.planner.PlanState, "_best_group", lambda *a: None)
+    assert plan(tl, **slow).peak_after == p.peak_before
+    monkeypatch.undo()
+    # without keeping, no concatenation can be rebuilt: its inputs are gone by then
+    orig = tensile.planner.recompute_of
+    monkeypatch.setattr(tensile.planner, "recompute_of",
+                        lambda *a, **k: orig(*a, **{**k, "keep_sources": False}))
+    without = plan(tl, **slow)
+    assert not {5, 6, 7, 8} & {r.sid for r in without.recomputes}
+    assert p.peak_after <= without.peak_after - 4 * MB

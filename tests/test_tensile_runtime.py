@@ -16,7 +16,7 @@ import tensile
 from tensile.runtime import PlanMismatchError
 from tensile.step import training_step
 
-from resnet_block import make_resnet
+from resnet_block import make_densenet, make_resnet
 
 STEPS = 20
 FAST = dict(peak_flops=1e10, peak_bytes_per_s=1e10, copy_latency_ms=0.0)
@@ -494,4 +494,32 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
     assert figures["recomputes_in_place"] == sum(bool(r.then_ops) for r in p.recomputes) > 0
     assert figures["recomputes_transient"] > 0 and "with in-place updates" in p.summary()
     for a, b in zip(*states):   # parameters, running statistics, momentum: all the same
+        assert torch.equal(a, b)
+
+
+def test_concatenations_rebuilt_from_kept_inputs_train_bit_identically():
+    """A plan that drops DenseNet-like concatenations and keeps the tensors they joined
+    (``Recompute.kept``): the runtime's recipes hold those inputs until the rebuild."""
+    steps, data = 5, batches(5)
+    states = []
+    for planned in (False, True):
+        model = make_densenet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if planned:
+            sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **FAST,
+                                      max_overhead=1.0, allow_cross_iteration=False,
+                                      d2h_bw=1e3, h2d_bw=1e3, replan=False)
+            for b in data:
+                sched.step(*b)
+        else:
+            for b in data:
+                training_step(model, opt, b, nn.functional.cross_entropy)
+        states.append(state_tensors(model, opt))
+    p, tl = sched.plan, sched.timeline
+    kept = [r for r in p.recomputes if r.kept]
+    assert kept and all(tl.names[r.producer_op] == "aten.cat.default" for r in kept), p
+    assert p.peak_after < p.peak_before
+    report = sched.report()
+    assert report.recomputes == steps * len(p.recomputes) and report.ineffective_releases == 0
+    for a, b in zip(*states):
         assert torch.equal(a, b)
