@@ -187,6 +187,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
+    (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -272,6 +273,11 @@ def test_setting_and_label_name_what_changes_the_measurement():
     mo = _compose(["experiment=tensile", "experiment.max_overhead=0.05"]).experiment
     assert tensile_run.method_label("tensile_graph", mo) == "tensile_graph(max_overhead=0.05)"
     assert tensile_run.method_label("graph", mo) == "graph"
+    lat = _compose(["experiment=tensile", "experiment.max_overhead=0.08",
+                    "experiment.copy_latency_ms=0.05"]).experiment
+    assert tensile_run.method_label("tensile_graph", lat) == \
+        "tensile_graph(max_overhead=0.08,copy_latency_ms=0.05)"
+    assert tensile_run._method_opts("tensile_graph", lat, "cuda", None, None, {})["copy_latency_ms"] == 0.05
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"
