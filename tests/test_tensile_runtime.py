@@ -459,26 +459,34 @@ def test_the_recording_knows_the_gradients_live_until_the_step_ends():
         assert tl.vanilla_range(sid) == (t.first, tl.num_ops - 1)
 
 
-def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically():
-    """Batch norm outputs that ReLU(inplace=True) overwrote and residual sums (``add_``)
-    are rebuilt by rerunning their in-place updates; batch norm reruns on scratch running
-    statistics; a recompute whose input was itself dropped rebuilds that input first, to
-    keep it or for this recompute alone."""
-    steps, data = 5, batches(5)
+def _vanilla_and_scheduled(factory, steps: int, **plan_kwargs):
+    """``steps`` SGD steps of ``factory()``, vanilla and scheduled with recomputation only
+    (copies too slow to hide): both runs' state tensors, and the scheduler."""
+    data = batches(steps)
     states = []
     for planned in (False, True):
-        model = make_resnet()
+        model = factory()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         if planned:
             sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **FAST,
-                                      budget=1, allow_cross_iteration=False,
-                                      d2h_bw=1e3, h2d_bw=1e3, replan=False)
+                                      allow_cross_iteration=False, d2h_bw=1e3, h2d_bw=1e3,
+                                      replan=False, **plan_kwargs)
             for b in data:
                 sched.step(*b)
         else:
             for b in data:
                 training_step(model, opt, b, nn.functional.cross_entropy)
         states.append(state_tensors(model, opt))
+    return states, sched
+
+
+def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically():
+    """Batch norm outputs that ReLU(inplace=True) overwrote and residual sums (``add_``)
+    are rebuilt by rerunning their in-place updates; batch norm reruns on scratch running
+    statistics; a recompute whose input was itself dropped rebuilds that input first, to
+    keep it or for this recompute alone."""
+    steps = 5
+    states, sched = _vanilla_and_scheduled(make_resnet, steps, budget=1)
     p, tl = sched.plan, sched.timeline
     rebuilt = {r.sid for r in p.recomputes}
     assert any(r.then_ops for r in p.recomputes), "no in-place update rerun"
@@ -500,21 +508,8 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
 def test_concatenations_rebuilt_from_kept_inputs_train_bit_identically():
     """A plan that drops DenseNet-like concatenations and keeps the tensors they joined
     (``Recompute.kept``): the runtime's recipes hold those inputs until the rebuild."""
-    steps, data = 5, batches(5)
-    states = []
-    for planned in (False, True):
-        model = make_densenet()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        if planned:
-            sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **FAST,
-                                      max_overhead=1.0, allow_cross_iteration=False,
-                                      d2h_bw=1e3, h2d_bw=1e3, replan=False)
-            for b in data:
-                sched.step(*b)
-        else:
-            for b in data:
-                training_step(model, opt, b, nn.functional.cross_entropy)
-        states.append(state_tensors(model, opt))
+    steps = 5
+    states, sched = _vanilla_and_scheduled(make_densenet, steps, max_overhead=1.0)
     p, tl = sched.plan, sched.timeline
     kept = [r for r in p.recomputes if r.kept]
     assert kept and all(tl.names[r.producer_op] == "aten.cat.default" for r in kept), p
