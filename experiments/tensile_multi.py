@@ -111,7 +111,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
@@ -180,6 +180,7 @@ class Options:
     results_dir: Path = Path("results")
     redo: bool = False
     arrive_every: int = 5
+    captured: bool = False              # every job's step captured in a CUDA graph (--captured)
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -203,6 +204,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"max_overhead={opts.max_overhead:g}")
     if opts.memory_gb is not None:
         parts.append(f"mem={opts.memory_gb:g}GiB")
+    if opts.captured:
+        parts.append("captured")
     return "".join("," + p for p in parts)
 
 
@@ -361,15 +364,22 @@ def run_job(p: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, p["memory_gb"] * 2**30 / total))
     model.to(p["device"])
     batch = (x.to(p["device"]), y.to(p["device"]))
-    opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR)
+    captured = p.get("captured", False)
+    opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR,
+                           capturable=captured)
     outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
     sched = None
     if p["phase"] == "tensile":
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
-                          client_kwargs={"register_timeout_s": 120.0}, **p["rates"])
+                          client_kwargs={"register_timeout_s": 120.0},
+                          allow_cross_iteration=not captured, **p["rates"])
         outside["scheduler"] = _outside_allocator_mb(cuda)
-        step = lambda: sched.step(*batch)  # noqa: E731
+        # captured: the first replay() steps, the second captures (after the scheduler's
+        # plan for the graph's op times), later ones replay or capture a newer plan
+        step = (lambda: sched.replay(*batch)) if captured else (lambda: sched.step(*batch))
+    elif captured:
+        step = _captured_vanilla(model, opt, batch, classification_loss)
     else:
         step = lambda: training_step(model, opt, batch, classification_loss)  # noqa: E731
     try:
@@ -423,6 +433,23 @@ def run_job(p: dict) -> dict:
     finally:
         if sched is not None:
             sched.close()  # leave the scheduler: the others are re-planned
+
+
+def _captured_vanilla(model, opt, batch: tuple, loss_fn) -> Callable[[], Any]:
+    """The vanilla step for ``--captured``: one ordinary step (the optimizer's state),
+    then :class:`tensile.GraphStep` captures it at the second call and replays it."""
+    from tensile import GraphStep, training_step
+    graph = None
+
+    def step():
+        nonlocal graph
+        if not opt.state:
+            return training_step(model, opt, batch, loss_fn)
+        if graph is None:
+            graph = GraphStep(lambda b, capturing: training_step(model, opt, b, loss_fn),
+                              batch, model, opt)
+        return graph(*batch)
+    return step
 
 
 def _probe(device: str) -> dict:
@@ -561,7 +588,7 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "until_stop": job.until_stop, "barrier": setting.arrive_every is None,
             "phase": phase, "device": opts.device, "batch": opts.batch, "warmup": opts.warmup,
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
-            "socket": None if sock is None else str(sock)}
+            "socket": None if sock is None else str(sock), "captured": opts.captured}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -739,7 +766,8 @@ def _scheduler_replans(log: Path) -> list[str]:
 def _reason_kinds(reasons: list[str]) -> dict[str, int]:
     """How many re-plan triggers of each kind there were (one re-plan may fold several)."""
     kinds = {"arrival": "arrival of", "departure": "departure of",
-             "first_measurement": "first measurement of", "drift": "drift of"}
+             "first_measurement": "first measurement of", "drift": "drift of",
+             "retimed": " retimed ("}
     return {k: sum(r.count(text) for r in reasons) for k, text in kinds.items()}
 
 
@@ -1112,6 +1140,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="NVML/CUDA index of the GPU (default: CUDA_VISIBLE_DEVICES, else 0)")
     ap.add_argument("--results-dir", type=Path, default=Path("results"))
     ap.add_argument("--redo", action="store_true", help="measure stored settings again")
+    ap.add_argument("--captured", action="store_true",
+                    help="every job's step captured in a CUDA graph (vanilla and TENSILE; "
+                         "TENSILE's jobs re-capture when a new plan comes; cuda only)")
     ap.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)   # a job process
     ap.add_argument("--probe", choices=("cuda", "cpu"), default=None, help=argparse.SUPPRESS)
     return ap
@@ -1136,8 +1167,9 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                  f"second times every op for the first re-plan), got {args.warmup}")
     if args.gpu_index is not None and args.gpu_index < 0:
         ap.error(f"--gpu-index must be >= 0, got {args.gpu_index}")
-    if args.device == "cpu" and (args.memory_gb is not None or args.gpu_index is not None):
-        ap.error("--memory-gb and --gpu-index are for --device cuda")
+    if args.device == "cpu" and (args.memory_gb is not None or args.gpu_index is not None
+                                 or args.captured):
+        ap.error("--memory-gb, --gpu-index and --captured are for --device cuda")
     if args.device == "cuda":
         import importlib.util
 
@@ -1158,7 +1190,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    image_size=args.image_size or IMAGE_SIZE[args.device], budget_bytes=budget,
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
-                   results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every)
+                   results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
+                   captured=args.captured)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

@@ -65,6 +65,7 @@ log = logging.getLogger("tensile.api")
 
 # Without an iteration time to report, contact the scheduler at most this often (s).
 _HEARTBEAT_S = 1.0
+_RETIME_WAIT_S = 30.0   # capture() in a scheduled job: how long to wait for the new plan
 
 
 @dataclass
@@ -279,6 +280,8 @@ class Scheduler:
         self.estimated_op_ms = estimate_op_times(self.recording.graph, peak_flops, peak_bytes_per_s)
         self.times = OpTimeModel(self.estimated_op_ms)
         self.captured_vanilla_ms: float | None = None   # see capture()
+        self._graph: GraphStep | None = None            # see replay()
+        self._graph_plan: Plan | None = None
         vanilla_peak = int(self.recording.timeline(self.times.op_ms).vanilla_curve().max())
         self.budget_bytes = resolve_budget(budget, self.device, vanilla_peak, self.simulate)
 
@@ -353,13 +356,17 @@ class Scheduler:
 
         The graph keeps the plan it was captured with (no re-plan, no drift test); the
         optimizer must be capturable and the plan must keep parameters and optimizer
-        state on the device (``allow_cross_iteration=False``).
+        state on the device (``allow_cross_iteration=False``). A job planned by a scheduler
+        process sends the captured step's op times to it (``retimed``), captures the plan
+        that comes back, and should train with :meth:`replay`, which captures again when
+        the scheduler sends a new plan (another job came or left).
         """
         if self.simulate:
             raise ValueError("capture needs CUDA; this scheduler simulates on the CPU")
-        if self.client is not None:
-            raise ValueError("a job planned by a scheduler process takes new plans between "
-                             "steps, a captured graph keeps one: keep calling step()")
+        if self.client is not None and self.allow_cross:
+            raise ValueError("a job planned by a scheduler process captures its step only with "
+                             "allow_cross_iteration=False (a graph keeps the addresses of "
+                             "parameters and optimizer state)")
         if self._init_pending:
             raise ValueError("run one step() first: it creates the optimizer's state, which "
                              "must exist before the capture")
@@ -369,8 +376,30 @@ class Scheduler:
         self.runner.check_capturable()
         if plan_for_graph:
             self._plan_for_captured_step(batch, warmup)
+        self._graph_plan = self.plan
         return GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
                          batch, self.model, self.optimizer, warmup=warmup, streams=3)
+
+    def replay(self, *batch) -> torch.Tensor:
+        """One training step as a CUDA graph replay; returns the loss (overwritten by the
+        next call).
+
+        The first call runs an ordinary :meth:`step` if none ran yet, then captures
+        (:meth:`capture`); later calls replay, and capture again whenever the plan has
+        changed since (a scheduler process pushed a new one: it is asked at most every
+        second, between replays). The graph's memory goes back before a new capture.
+        """
+        if self._init_pending:
+            return self.step(*batch)
+        if self.client is not None and time.monotonic() - self._last_contact >= _HEARTBEAT_S:
+            self.heartbeat()
+        if self._graph is None or self.plan is not self._graph_plan:
+            retimed = self._graph is not None or self.captured_vanilla_ms is not None
+            self._graph = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._graph = self.capture(*batch, plan_for_graph=not retimed)
+        return self._graph(*batch)
 
     def _plan_for_captured_step(self, batch: Sequence, warmup: int) -> None:
         """Re-plan with the op times of the step as a CUDA graph runs it.
@@ -379,7 +408,8 @@ class Scheduler:
         op (:func:`tensile.optimes.step_op_times_ms`): no host gaps. Should that step's op
         count differ from the recording's, the roofline estimates scaled to the captured
         step's replay time stand in. The timing steps train: model, optimizer state and
-        the CUDA RNG are put back afterwards.
+        the CUDA RNG are put back afterwards. With a scheduler process, the op times go to
+        it (``retimed``) and its new plan is awaited (at most ``_RETIME_WAIT_S``).
         """
         vanilla = GraphStep(lambda b, capturing: training_step(self.model, self.optimizer, b,
                                                                self.loss_fn),
@@ -396,9 +426,19 @@ class Scheduler:
                         len(self.estimated_op_ms))
             op_ms = scaled_op_times(self.estimated_op_ms, self.captured_vanilla_ms)
         self.times.reset([max(t, 1e-6) for t in op_ms])   # an op may time at 0 after the gap
-        self.plan = self._plan()
-        self.runner.set_plan(self.plan)
-        self.replans += 1
+        if self.client is not None:
+            before = self.client.version
+            self._ask(functools.partial(self.client.report, self.captured_vanilla_ms,
+                                        self.times.op_ms, retimed=True))
+            self._take(self.client.wait_for_plan(before, _RETIME_WAIT_S))
+            self._last_contact = time.monotonic()
+            if self.client.version <= before:
+                log.warning("no plan for the captured step within %g s; capturing the current one",
+                            _RETIME_WAIT_S)
+        else:
+            self.plan = self._plan()
+            self.runner.set_plan(self.plan)
+            self.replans += 1
         self.runner.check_capturable()   # a custom planner might move state across iterations
 
     def heartbeat(self) -> None:

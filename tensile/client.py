@@ -137,14 +137,18 @@ class TensileClient:
 
     def report(self, iter_ms: float, op_times: Sequence[float] | None = None, *,
                op_start_ms: Sequence[float] | None = None,
-               iter_start_s: float | None = None) -> Plan | None:
+               iter_start_s: float | None = None, retimed: bool = False) -> Plan | None:
         """Report one finished iteration; returns the plan to run from the next step on.
 
         ``iter_ms``: its wall-clock time; ``op_times``: measured per-op ms, when this step
         was timed op by op; ``op_start_ms``: measured op starts relative to the iteration
-        start; ``iter_start_s``: the iteration's start on ``time.monotonic()``. The result
+        start; ``iter_start_s``: the iteration's start on ``time.monotonic()``;
+        ``retimed``: the step now runs another way (captured) and ``op_times`` are its new
+        op times: the scheduler re-plans at once (see :meth:`wait_for_plan`). The result
         is the same object as before unless the plan changed (``None``: vanilla).
         """
+        if retimed and op_times is None:
+            raise ValueError("retimed=True needs op_times: the step's new op times")
         if not (isinstance(iter_ms, numbers.Real) and math.isfinite(iter_ms) and iter_ms > 0):
             raise ValueError(f"iter_ms must be a positive finite number of ms, got {iter_ms!r}")
         n = len(self._payload["op_times_ms"]) if self._payload is not None else None
@@ -159,7 +163,19 @@ class TensileClient:
         if iter_start_s is not None:
             msg["iter_start_s"] = float(iter_start_s)
         self._remember(msg)
+        if retimed:
+            msg["retimed"] = True
         return self._call(msg)
+
+    def wait_for_plan(self, newer_than: int, timeout_s: float) -> Plan | None:
+        """Heartbeat until a plan of a version above ``newer_than`` has come, or
+        ``timeout_s`` passed (or the scheduler is gone); returns the plan then held."""
+        deadline = time.monotonic() + timeout_s
+        while self.connected and self._version <= newer_than and time.monotonic() < deadline:
+            self.heartbeat()
+            if self._version <= newer_than:
+                time.sleep(0.01)
+        return self._plan
 
     def heartbeat(self) -> Plan | None:
         """A sign of life (for long steps) that also picks up pushed plans."""

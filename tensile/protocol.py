@@ -15,7 +15,9 @@ Job → scheduler (``seq`` is optional; the reply carries it back as ``reply_to`
   Reply: the job's first ``plan``.
 * ``measured``: ``iter_ms`` (wall-clock iteration time); optional ``op_times_ms``
   (measured per-op times), ``op_start_ms`` (per-op start relative to the iteration
-  start), ``iter_start_s`` (that iteration's start on ``time.monotonic()``). Reply:
+  start), ``iter_start_s`` (that iteration's start on ``time.monotonic()``),
+  ``retimed`` (true: the job now runs its step another way, e.g. captured in a CUDA
+  graph, and ``op_times_ms`` are its new op times: re-plan now, no drift test). Reply:
   ``ack`` at once; a re-plan it causes arrives later as a ``plan``.
 * ``heartbeat``: reply ``ack``. Any message counts as a sign of life.
 * ``leave``: reply ``bye``, then the scheduler closes the connection.
@@ -200,6 +202,12 @@ def bandwidths(name: str, x: Any) -> tuple[float, float]:
     return positive(f"{name}.d2h", x["d2h"]), positive(f"{name}.h2d", x["h2d"])
 
 
+def flag(name: str, x: Any) -> bool:
+    if not isinstance(x, bool):
+        _fail(name, "true or false", x)
+    return x
+
+
 def options(name: str, x: Any) -> dict:
     if not isinstance(x, dict):
         _fail(name, "an object", x)
@@ -241,7 +249,8 @@ JOB_MESSAGES: dict[str, dict[str, tuple[Check, bool]]] = {
                  "options": (options, False)},
     "measured": {"seq": (seq_id, False), "iter_ms": (positive, True),
                  "op_times_ms": (lambda n, v: times_list(n, v, allow_zero=True), False),
-                 "op_start_ms": (starts_list, False), "iter_start_s": (number, False)},
+                 "op_start_ms": (starts_list, False), "iter_start_s": (number, False),
+                 "retimed": (flag, False)},
     "heartbeat": {"seq": (seq_id, False)},
     "leave": {"seq": (seq_id, False)},
 }

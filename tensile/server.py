@@ -287,7 +287,14 @@ class SchedulerServer:
         job.op_start_ms = starts
         if "iter_start_s" in msg:
             job.iter_start_s = msg["iter_start_s"]
-        if first:
+        if msg.get("retimed"):
+            if times is None:
+                raise ProtocolError("measured.retimed needs op_times_ms: the new op times")
+            job.op_ms = [max(m, 1e-6) for m in times]   # not blended: the old mode's are void
+            job.drift = DriftDetector()
+            job.drift.add(job.iter_ms)
+            reason = f"{job.job_id} retimed ({job.iter_ms:.2f} ms per iteration)"
+        elif first:
             job.drift.add(job.iter_ms)
             reason = f"first measurement of {job.job_id} ({job.iter_ms:.2f} ms per iteration)"
         elif job.skip:

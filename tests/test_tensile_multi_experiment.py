@@ -6,12 +6,14 @@ steps each (the runtime's simulation mode; RSS instead of GPU memory).
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import sys
 import time
 import types
 
 import pytest
+import torch
 
 from experiments import tensile_multi as tm
 from experiments.store import COLUMNS, read_rows
@@ -245,8 +247,9 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "mdw", "--models", "vgg16"], ["needs at least 2 models, got ['vgg16']"]),
     (["--scenario", "copies", "--budget", "lots"], ["expected bytes such as 40G", "'lots'"]),
     (["--scenario", "copies", "--device", "gpu"], ["invalid choice: 'gpu'", "cuda", "cpu"]),
-    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb and --gpu-index are for "
-                                                    "--device cuda"]),
+    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index and --captured "
+                                                    "are for --device cuda"]),
+    (["--scenario", "copies", "--captured"], ["--captured are for --device cuda"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
@@ -267,3 +270,30 @@ def test_cuda_on_a_host_without_one_is_a_clear_error(capsys):
         tm.main(["--scenario", "copies", "--device", "cuda"])
     assert exc.value.code == 2
     assert "no usable CUDA GPU; for a smoke run use --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
+                    reason="captured jobs replay CUDA graphs and the GPU's memory is read "
+                           "through NVML: needs a CUDA GPU and nvidia-ml-py")
+def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_path):
+    """--captured: every job captures its step after its first one; a TENSILE job sends
+    the graph's op times to the scheduler (retimed), captures the plan that comes back, and
+    captures again when the other job's arrival or re-timing brings a new plan."""
+    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "2", "--batch", "2",
+            "--warmup", "4", "--iters", "10", "--timeout", "400", "--max-overhead", "0.3",
+            "--captured", "--results-dir", str(tmp_path)]
+    assert tm.main(args) == 0
+    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
+    rows = {r["backend"]: r for r in read_rows(csv_path)}
+    assert set(rows) == {"resnet50-1", "resnet50-2", "GPU"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert r["mode"] == "copies:resnet50x2,max_overhead=0.3,captured"
+    gpu = json.loads(rows["GPU"]["extra"])
+    assert gpu["replan_kinds"]["retimed"] == 2, gpu["replan_kinds"]
+    for name in ("resnet50-1", "resnet50-2"):
+        e = json.loads(rows[name]["extra"])
+        assert e["measured_iters_tensile"] == 10 and e["msr_alloc"] > 0
+        # both phases replay graphs: the plan's extra time is the GPU's, not the host's
+        assert e["iter_ms_median_tensile"] < 1.6 * e["iter_ms_median_vanilla"]

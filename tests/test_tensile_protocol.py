@@ -149,6 +149,7 @@ def test_frames_round_trip_and_refuse_bad_json():
     ({"type": "measured"}, "missing field 'iter_ms'"),
     ({"type": "measured", "iter_ms": -1}, "measured.iter_ms: expected a positive"),
     ({"type": "measured", "iter_ms": 5, "op_times_ms": [1, "x"]}, r"op_times_ms\[1\]"),
+    ({"type": "measured", "iter_ms": 5, "retimed": "yes"}, "measured.retimed: expected true or false"),
     ({**register_msg(), "weight": "heavy"}, "register.weight"),
     ({**register_msg(), "job_id": "a b/c"}, "register.job_id"),
     ({**register_msg(), "bandwidths": {"d2h": 1e9}}, "register.bandwidths"),
@@ -274,6 +275,27 @@ def test_drift_over_30_percent_replans_and_under_does_not(start_server, clients)
     assert c.plan.iteration_ms == pytest.approx(11.25)  # the plan uses the measured time
 
 
+def test_a_retimed_job_is_replanned_at_once_with_its_new_op_times(start_server, clients):
+    """A job that starts replaying its step as a CUDA graph (``Scheduler.capture``) sends
+    the graph's op times with ``retimed``: the scheduler re-plans now, with those times
+    as they are (not blended with the eager ones), and no drift test is needed."""
+    srv = start_server()
+    c = measured_job(srv, clients, 100.0)
+    v = c.version
+    with pytest.raises(ValueError, match="retimed=True needs op_times"):
+        c.report(2.0, retimed=True)
+    captured = [0.2] * 7 + [0.1]
+    c.report(1.5, captured, retimed=True)
+    assert c.wait_for_plan(v, timeout_s=5.0) is c.plan and c.version > v
+    assert c.reason == "a retimed (1.50 ms per iteration)"
+    assert c.plan.iteration_ms == pytest.approx(sum(captured))
+    v = c.version
+    for ms in (1.5, 1.6, 1.4):   # the new level is the drift test's reference from now on
+        c.report(ms)
+    quiet(c, v, srv)
+    assert c.wait_for_plan(v, timeout_s=0.2) is c.plan and c.version == v   # none came: on time
+
+
 # Per-iteration times of a job sharing a GPU with co-runners: -40 % .. +67 % around ~60 ms
 # (as measured on an H200: ResNet-50 batch 2, p10 36 ms, median 59 ms, p90 101 ms).
 NOISY = [60.0, 36.0, 100.0, 58.0, 40.0, 95.0]
@@ -383,6 +405,8 @@ def test_malformed_messages_get_errors_and_the_server_keeps_serving(start_server
     reply = ask(s, encode({"type": "measured", "seq": 9, "iter_ms": 5.0,
                            "op_start_ms": [3.0, 1.0] + [4.0] * 6}))
     assert reply["code"] == "bad_message" and "non-decreasing" in reply["error"]
+    reply = ask(s, encode({"type": "measured", "seq": 9, "iter_ms": 5.0, "retimed": True}))
+    assert reply["code"] == "bad_message" and "retimed needs op_times_ms" in reply["error"]
     # A second registration under a live id is refused.
     s2 = raw(srv.path)
     assert ask(s2, encode(register_msg("raw")))["code"] == "id_in_use"
