@@ -278,22 +278,23 @@ def test_cuda_on_a_host_without_one_is_a_clear_error(capsys):
                            "through NVML: needs a CUDA GPU and nvidia-ml-py")
 def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_path):
     """--captured: every job captures its step after its first one; a TENSILE job sends
-    the graph's op times to the scheduler (retimed), captures the plan that comes back, and
-    captures again when the other job's arrival or re-timing brings a new plan."""
-    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "2", "--batch", "2",
-            "--warmup", "4", "--iters", "10", "--timeout", "400", "--max-overhead", "0.3",
+    the graph's op times to the scheduler (retimed) and captures the plan that comes back.
+    One job: its measured steps are replays of one graph (with co-runners, a new plan
+    mid-run means a capture among them)."""
+    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "1", "--batch", "2",
+            "--warmup", "4", "--iters", "10", "--timeout", "300", "--max-overhead", "0.3",
             "--captured", "--results-dir", str(tmp_path)]
     assert tm.main(args) == 0
     (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
     rows = {r["backend"]: r for r in read_rows(csv_path)}
-    assert set(rows) == {"resnet50-1", "resnet50-2", "GPU"}
+    assert set(rows) == {"resnet50-1", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
-        assert r["mode"] == "copies:resnet50x2,max_overhead=0.3,captured"
+        assert r["mode"] == "copies:resnet50x1,max_overhead=0.3,captured"
     gpu = json.loads(rows["GPU"]["extra"])
-    assert gpu["replan_kinds"]["retimed"] == 2, gpu["replan_kinds"]
-    for name in ("resnet50-1", "resnet50-2"):
-        e = json.loads(rows[name]["extra"])
-        assert e["measured_iters_tensile"] == 10 and e["msr_alloc"] > 0
-        # both phases replay graphs: the plan's extra time is the GPU's, not the host's
-        assert e["iter_ms_median_tensile"] < 1.6 * e["iter_ms_median_vanilla"]
+    assert gpu["replan_kinds"]["retimed"] == 1 and gpu["replan_kinds"]["first_measurement"] == 0
+    e = json.loads(rows["resnet50-1"]["extra"])
+    assert e["measured_iters_tensile"] == 10 and e["replans"] == 1
+    # both phases replay graphs: the plan's extra time is the GPU's, not the host's
+    # (H200: 5.30 against 5.21 ms; the eager runtime's job took 2.4x its vanilla step)
+    assert e["iter_ms_median_tensile"] < 1.5 * e["iter_ms_median_vanilla"]
