@@ -586,7 +586,8 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
                 "allocator share": _allocator_share(e, extras),
                 "outside allocators MB": _outside_allocators(e, extras),
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
-                "MSR alloc (jobs)": mean("msr_alloc"), "cold-start MSR (jobs)": mean("cold_start_msr"),
+                "MSR alloc (jobs)": mean("msr_alloc"), "MSR reserved (jobs)": mean("msr_reserved"),
+                "cold-start MSR (jobs)": mean("cold_start_msr"),
                 "iters to steady (jobs)": mean("iters_to_steady")}
         p = None if paper is None or e.get("scenario") != "copies" else paper[
             (paper["model"] == g["model"]) & (paper["batch_size"] == g["batch_size"])
@@ -1033,7 +1034,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
                "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "
                "what a TENSILE process adds there offsets what its plan saves; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
-               "columns are means over the setting's jobs (allocator peaks); run = the setting's latest "
+               "columns are means over the setting's jobs (allocator peaks); a `captured` setting's "
+               "replays allocate nothing (each graph's pool is reserved at its capture), so its jobs' "
+               "measure is MSR reserved; run = the setting's latest "
                "run (earlier ones stay in tensile_multi.csv). `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]

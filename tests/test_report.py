@@ -401,9 +401,12 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
         "peak_vanilla_mb": 3618.0, "idle_vanilla_mb": 618.0}})
     for job in ("resnet50-1", "resnet50-2"):
         store.append({**common, "backend": job, "mean_ms": 30.0, "extra": {
-            "msr_alloc": 0.06, "peak_reserved_vanilla_mb": 600.0}})
+            "msr_alloc": 0.06, "msr_reserved": 0.1 if job.endswith("1") else 0.2,
+            "peak_reserved_vanilla_mb": 600.0}})
     table = report.tensile_multi_table(report.load_rows(tmp_path / "h200")).set_index("setting")
     assert table.loc["copies:resnet50x2", "allocator share"] == pytest.approx(1200 / 3000)
+    assert table.loc["copies:resnet50x2", "MSR alloc (jobs)"] == 0.06
+    assert table.loc["copies:resnet50x2", "MSR reserved (jobs)"] == pytest.approx(0.15)
     assert table.loc["copies:resnet50x2", "outside allocators MB"] is None   # no tensile figures
     gpu = {"peak_vanilla_mb": 3618.0, "idle_vanilla_mb": 618.0, "peak_tensile_mb": 3718.0,
            "idle_tensile_mb": 618.0}
