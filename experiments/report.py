@@ -1029,7 +1029,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", "",
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
-               "left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
+               "(and, in `captured` settings, the steps that captured a graph) left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
                "used memory: the part any plan can act on (the rest is each process's CUDA context, "
                "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
                "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "

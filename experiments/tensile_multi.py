@@ -64,7 +64,8 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and ready (that start-up includes TENSILE's
-  recording step, which runs at vanilla memory; grey in the plot);
+  recording step, which runs at vanilla memory; grey in the plot) nor, with ``--captured``,
+  in a step that captured a graph;
   ``msr_nvml_all`` takes the peak over every sample; ``eor`` = sum of the jobs' mean step times
   tensile / vanilla - 1; ``replans`` = the scheduler's re-plans, ``replan_kinds`` their
   triggers by kind (arrival, departure, first measurement, drift; one re-plan may fold several).
@@ -111,7 +112,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
@@ -379,7 +380,7 @@ def run_job(p: dict) -> dict:
         # plan for the graph's op times), later ones replay or capture a newer plan
         step = (lambda: sched.replay(*batch)) if captured else (lambda: sched.step(*batch))
     elif captured:
-        step = _captured_vanilla(model, opt, batch, classification_loss)
+        step = _CapturedVanilla(model, opt, batch, classification_loss)
     else:
         step = lambda: training_step(model, opt, batch, classification_loss)  # noqa: E731
     try:
@@ -402,8 +403,11 @@ def run_job(p: dict) -> dict:
             version = sched.report().plan_version if sched else None
             if version is not None and (not versions or versions[-1] != version):
                 versions.append(version)
+            captures, t0 = _captures(sched, step), time.monotonic()
             loss, ms = _timed(step, cuda)
             times.append(ms)
+            if _captures(sched, step) > captures:   # this step captured a graph
+                _emit({"event": "captured", "job": p["job_id"], "t0": t0, "t1": time.monotonic()})
             if i == 0:
                 first_peaks = _peaks(cuda)
                 outside["first_step"] = _outside_allocator_mb(cuda)
@@ -435,21 +439,32 @@ def run_job(p: dict) -> dict:
             sched.close()  # leave the scheduler: the others are re-planned
 
 
-def _captured_vanilla(model, opt, batch: tuple, loss_fn) -> Callable[[], Any]:
+class _CapturedVanilla:
     """The vanilla step for ``--captured``: one ordinary step (the optimizer's state),
     then :class:`tensile.GraphStep` captures it at the second call and replays it."""
-    from tensile import GraphStep, training_step
-    graph = None
 
-    def step():
-        nonlocal graph
-        if not opt.state:
-            return training_step(model, opt, batch, loss_fn)
-        if graph is None:
-            graph = GraphStep(lambda b, capturing: training_step(model, opt, b, loss_fn),
-                              batch, model, opt)
-        return graph(*batch)
-    return step
+    def __init__(self, model, opt, batch: tuple, loss_fn) -> None:
+        self.model, self.opt, self.batch, self.loss_fn = model, opt, batch, loss_fn
+        self.graph = None
+        self.captures = 0
+
+    def __call__(self):
+        from tensile import GraphStep, training_step
+        if not self.opt.state:
+            return training_step(self.model, self.opt, self.batch, self.loss_fn)
+        if self.graph is None:
+            self.graph = GraphStep(lambda b, capturing: training_step(self.model, self.opt, b,
+                                                                      self.loss_fn),
+                                   self.batch, self.model, self.opt)
+            self.captures += 1
+        return self.graph(*self.batch)
+
+
+def _captures(sched, step) -> int:
+    """How many graphs the job's step has captured so far (0 when it does not capture)."""
+    if sched is not None:
+        return sched.captures
+    return getattr(step, "captures", 0)
 
 
 def _probe(device: str) -> dict:
@@ -512,6 +527,15 @@ class MemorySampler:
     def mark(self, event: str) -> None:
         """An event (job start, ready, exit) with a reading taken now."""
         self.samples.append((self._phase, time.monotonic() - self._t0, self.read(), event))
+
+    def mark_span(self, event: str, t0: float, t1: float) -> None:
+        """A span a job measured itself (``time.monotonic()`` is one clock for all local
+        processes): ``"<event> ..."`` at ``t0`` and ``"<event>d ..."`` at ``t1``, with the
+        reading taken now (a job reports it after the fact)."""
+        kind, rest = event.split(" ", 1)
+        used = self.read()
+        self.samples += [(self._phase, t0 - self._t0, used, event),
+                         (self._phase, t1 - self._t0, used, f"{kind}d {rest}")]
 
     def start(self, phase: str) -> None:
         self._phase, self._t0 = phase, time.monotonic()
@@ -731,6 +755,8 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
                 sampler.mark(f"ready {jid}")
             elif event == "step":
                 o.steps = msg["i"] + 1
+            elif event == "captured":
+                sampler.mark_span(f"capture {jid}", msg["t0"], msg["t1"])
             elif event == "done":
                 o.result = msg["result"]
     finally:
@@ -838,9 +864,10 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
 def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]], list[tuple[float, float]]]:
     """The phase's plain samples ``(t, used)`` and every job's start-up interval: from its
     arrival to ready (or exit), when it moves to the device and, under TENSILE, records one
-    step at vanilla memory and registers."""
+    step at vanilla memory and registers; with ``--captured`` also every step that captured
+    a graph (its timing graphs and warm-up live next to the graph it replaces)."""
     plain = [(t, u) for p, t, u, e in samples if p == phase and not e]
-    events = [(t, e) for p, t, _u, e in samples if p == phase and e]
+    events = sorted((t, e) for p, t, _u, e in samples if p == phase and e)
     starts: dict[str, float] = {}
     spans = []
     for t, e in events:
@@ -849,6 +876,10 @@ def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]],
             starts[job] = t
         elif kind in ("ready", "exit") and job in starts:
             spans.append((starts.pop(job), t))
+        elif kind == "capture":     # --captured: a step that captured a graph (a set-up too)
+            starts["capture " + job] = t
+        elif kind == "captured" and "capture " + job in starts:
+            spans.append((starts.pop("capture " + job), t))
     end = max((t for t, _ in plain), default=0.0)
     spans += [(t0, end) for t0 in starts.values()]  # never ready nor exited
     return plain, spans

@@ -282,6 +282,7 @@ class Scheduler:
         self.captured_vanilla_ms: float | None = None   # see capture()
         self._graph: GraphStep | None = None            # see replay()
         self._graph_plan: Plan | None = None
+        self.captures = 0                               # graphs captured by capture()
         vanilla_peak = int(self.recording.timeline(self.times.op_ms).vanilla_curve().max())
         self.budget_bytes = resolve_budget(budget, self.device, vanilla_peak, self.simulate)
 
@@ -377,8 +378,10 @@ class Scheduler:
         if plan_for_graph:
             self._plan_for_captured_step(batch, warmup)
         self._graph_plan = self.plan
-        return GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
-                         batch, self.model, self.optimizer, warmup=warmup, streams=3)
+        graph = GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
+                          batch, self.model, self.optimizer, warmup=warmup, streams=3)
+        self.captures += 1
+        return graph
 
     def replay(self, *batch) -> torch.Tensor:
         """One training step as a CUDA graph replay; returns the loss (overwritten by the

@@ -203,6 +203,24 @@ def test_phase_memory_leaves_start_ups_out_of_the_steady_peak():
     mem = tm.phase_memory(samples, "tensile")
     assert mem == {"idle_mb": 100.0, "peak_all_mb": 900.0, "peak_mb": 400.0}
     assert tm.phase_memory(samples, "nothing")["peak_mb"] is None
+    # --captured: a step that captured a graph is set-up too; a job reports its span after
+    # the fact, so its two events come after the samples they enclose
+    captured = samples[:5] + [("tensile", 0.45, 700 * mb, ""), ("tensile", 0.5, 400 * mb, "exit a"),
+                              ("tensile", 0.42, 400 * mb, "capture a"),
+                              ("tensile", 0.47, 400 * mb, "captured a")]
+    mem = tm.phase_memory(captured, "tensile")
+    assert mem == {"idle_mb": 100.0, "peak_all_mb": 900.0, "peak_mb": 400.0}
+
+
+def test_a_span_a_job_reports_lands_at_its_own_times():
+    sampler = tm.MemorySampler("cpu")
+    sampler.start("tensile")
+    t0 = time.monotonic()
+    sampler.mark_span("capture a", t0 + 0.5, t0 + 0.75)
+    sampler.stop()
+    (a, b) = [x for x in sampler.samples if x[3]]
+    assert a[3] == "capture a" and b[3] == "captured a"
+    assert a[1] == pytest.approx(0.5, abs=0.05) and b[1] - a[1] == pytest.approx(0.25)
 
 
 def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
@@ -293,6 +311,10 @@ def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_p
         assert r["mode"] == "copies:resnet50x1,max_overhead=0.3,captured"
     gpu = json.loads(rows["GPU"]["extra"])
     assert gpu["replan_kinds"]["retimed"] == 1 and gpu["replan_kinds"]["first_measurement"] == 0
+    # the steps that captured are set-up spans, left out of the steady NVML peak
+    events = _events(csv_path.parent / gpu["timeline_csv"])
+    for phase in ("vanilla", "tensile"):
+        assert (phase, "capture resnet50-1") in events and (phase, "captured resnet50-1") in events
     e = json.loads(rows["resnet50-1"]["extra"])
     assert e["measured_iters_tensile"] == 10 and e["replans"] == 1
     # both phases replay graphs: the plan's extra time is the GPU's, not the host's
