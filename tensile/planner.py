@@ -406,28 +406,34 @@ class PlanState:
     def _group_curve(self, group: list[Recompute], p: int) -> int | None:
         """Bytes ``group`` frees at ``p``, with the sources it keeps counted once; None if
         the memory it changes would not stay below the current peak."""
-        ends: dict[int, int] = {}
-        for r in group:
-            for src in r.kept:
-                ends[src] = max(ends.get(src, -1), r.before_op)
-        lo = min([r.release_after_op + 1 for r in group]
-                 + [self.kept_hi.get(s, self.tl.vanilla_range(s)[1]) + 1 for s in ends])
-        hi = max(r.before_op for r in group)
-        delta = np.zeros(hi - lo + 1, dtype=np.int64)
-        for src, end in ends.items():
-            a = self.kept_hi.get(src, self.tl.vanilla_range(src)[1]) + 1
-            if a <= end:
-                delta[a - lo:end - lo + 1] += self.tl.tensors[src].nbytes
-        for r in group:
-            a, b = r.release_after_op + 1, r.before_op - 1
-            if a <= b:
-                delta[a - lo:b - lo + 1] -= r.nbytes
+        lo, delta = self._kept_delta(group)
+        hi = lo + len(delta) - 1
         changed = delta != 0
         if not changed.any() or not lo <= p <= hi or delta[p - lo] >= 0:
             return None
         if int((self.mem[lo:hi + 1] + delta)[changed].max()) >= int(self.mem[p]):
             return None
         return int(-delta[p - lo])
+
+    def _kept_delta(self, group: list[Recompute]) -> tuple[int, np.ndarray]:
+        """How the memory curve would change with ``group`` dropped and the sources they
+        keep kept (each once, to the latest rebuild that needs it, beyond what earlier
+        recomputes keep it for): ``(first op, change per op up to the last rebuild)``."""
+        ends: dict[int, int] = {}
+        for r in group:
+            for src in r.kept:
+                ends[src] = max(ends.get(src, -1), r.before_op)
+        starts = {s: self.kept_hi.get(s, self.tl.vanilla_range(s)[1]) + 1 for s in ends}
+        lo = min([r.release_after_op + 1 for r in group] + list(starts.values()))
+        delta = np.zeros(max(r.before_op for r in group) - lo + 1, dtype=np.int64)
+        for src, end in ends.items():
+            if starts[src] <= end:
+                delta[starts[src] - lo:end - lo + 1] += self.tl.tensors[src].nbytes
+        for r in group:
+            a, b = r.release_after_op + 1, r.before_op - 1
+            if a <= b:
+                delta[a - lo:b - lo + 1] -= r.nbytes
+        return lo, delta
 
     def _commit_recompute(self, r: Recompute) -> None:
         """Add ``r`` to the plan and the memory curve."""
@@ -479,18 +485,14 @@ class PlanState:
                 self.kept_hi[src] = hi
 
     def _kept_below(self, r: Recompute, p: int, added: list) -> bool:
-        """With ``r``'s sources kept (``added``) and ``r`` dropped, does the memory up to
-        its rebuild stay below the current peak at ``p``? Else keeping only moves it."""
+        """With ``r``'s sources kept (``added``) and ``r`` dropped, does the memory from the
+        first kept op to its rebuild stay below the current peak at ``p``? Else keeping only
+        moves it."""
         if not added:
             return True
-        lo, hi = min(a[1] for a in added), r.before_op
-        seg = self.mem[lo:hi + 1].copy()
-        for _, a, b, nb in added:
-            seg[a - lo:b - lo + 1] += nb
-        x, y = max(r.release_after_op + 1, lo), r.before_op - 1
-        if x <= y:
-            seg[x - lo:y - lo + 1] -= r.nbytes
-        return int(seg.max()) < int(self.mem[p])
+        lo, delta = self._kept_delta([r])
+        a = min(x[1] for x in added)
+        return int((self.mem[a:r.before_op + 1] + delta[a - lo:]).max()) < int(self.mem[p])
 
     def _affordable(self, r: Recompute, p: int, max_cost_ms: float, added: list) -> bool:
         """Can ``r`` lower the peak at ``p`` within ``max_cost_ms``? Its sources that are
