@@ -42,6 +42,7 @@ from experiments.timing import measure
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
+from tensile.planner import COPY_LATENCY_MS
 from tensile.step import training_step
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runt
 # one CUDA graph per step: capturable optimizer, CUDA only
 GRAPHED = ("graph", "tensile_graph", "checkpoint_graph")
 AGAINST_GRAPH = ("tensile_graph", "checkpoint_graph")   # judged against graph too (*_vs_graph)
-DEFAULT_COPY_LATENCY_MS = 0.01   # tensile.Scheduler's default
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
 OPTIMIZERS = ("adam", "sgd")
@@ -94,7 +94,7 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(mo, (int, float)) or isinstance(mo, bool) or not 0 <= mo < 1:
         raise ConfigError(f"experiment.max_overhead must be a fraction of the iteration time in "
                           f"[0, 1), got {mo!r}")
-    lat = exp.get("copy_latency_ms", DEFAULT_COPY_LATENCY_MS)
+    lat = exp.get("copy_latency_ms", COPY_LATENCY_MS)
     if not isinstance(lat, (int, float)) or isinstance(lat, bool) or not 0 <= lat < 1000:
         raise ConfigError(f"experiment.copy_latency_ms must be a time in ms >= 0, got {lat!r}")
     amb = exp.activation_memory_budget
@@ -160,10 +160,11 @@ def method_label(name: str, exp) -> str:
     if name == "compile_budget":
         return f"compile_budget={exp.activation_memory_budget:g}"
     if name in PLANNED:
-        knobs = [f"max_overhead={exp.max_overhead:g}" if exp.get("max_overhead", 0.0) else "",
-                 f"copy_latency_ms={exp.copy_latency_ms:g}"
-                 if exp.get("copy_latency_ms", DEFAULT_COPY_LATENCY_MS) != DEFAULT_COPY_LATENCY_MS else ""]
-        knobs = [k for k in knobs if k]
+        knobs = []
+        if exp.get("max_overhead", 0.0):
+            knobs.append(f"max_overhead={exp.max_overhead:g}")
+        if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
+            knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
         return f"{name}({','.join(knobs)})" if knobs else name
     return name
 
@@ -391,7 +392,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:
-            opts["copy_latency_ms"] = float(exp.get("copy_latency_ms", DEFAULT_COPY_LATENCY_MS))
+            opts["copy_latency_ms"] = float(exp.get("copy_latency_ms", COPY_LATENCY_MS))
         return opts
     return {}
 

@@ -44,6 +44,7 @@ from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, m
 from .graph import GraphStep
 from .optimes import step_op_times_ms
 from .plan import Plan
+from .planner import COPY_LATENCY_MS
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, bytes_per_s
@@ -229,7 +230,7 @@ class Scheduler:
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
-                 min_swap_bytes: int | None = None, copy_latency_ms: float = 0.01,
+                 min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
                  max_overhead: float = 0.0,
                  replan: bool = True, planner: Callable[..., Plan] | None = None,
                  scheduler_socket: str | os.PathLike | None = None, job_id: str | None = None,

@@ -52,7 +52,8 @@ import numpy as np
 from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
-from .planner import EPS, CopyChannel, PlanState, check_max_overhead, check_plan_args
+from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_overhead,
+                      check_plan_args)
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -303,7 +304,7 @@ def plan_jobs(
     budget_bytes: int | None = None,
     d2h_bw: float,
     h2d_bw: float,
-    copy_latency_ms: float = 0.01,
+    copy_latency_ms: float = COPY_LATENCY_MS,
     max_overhead: float = 0.0,
 ) -> JointPlan:
     """One joint plan for ``jobs`` on one GPU with one budget and shared copy channels.

@@ -38,9 +38,12 @@ from .plan import Plan, Recompute, Swap
 from .simulate import kept_ranges, simulate
 from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 
-__all__ = ["plan"]
+__all__ = ["plan", "COPY_LATENCY_MS"]
 
 EPS = 1e-9
+# What every planned copy costs beyond bytes / bandwidth (ms): the default of the planner,
+# tensile.Scheduler, the scheduler process and the experiments.
+COPY_LATENCY_MS = 0.01
 
 
 def plan(
@@ -51,7 +54,7 @@ def plan(
     h2d_bw: float,
     allow_recompute: bool = True,
     allow_cross_iteration: bool = True,
-    copy_latency_ms: float = 0.01,
+    copy_latency_ms: float = COPY_LATENCY_MS,
     min_bytes: int = 1,
     max_overhead: float = 0.0,
 ) -> Plan:

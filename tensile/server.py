@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .estimate import EWMA_NEW_WEIGHT, DriftDetector
 from .multi import JobSpec, JointPlan, plan_jobs
-from .planner import check_max_overhead
+from .planner import COPY_LATENCY_MS, check_max_overhead
 from .protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, check_length, decode,
                        default_socket_path, encode, timeline_from_wire, validate_job_message)
 from .timeline import AccessTimeline
@@ -103,7 +103,7 @@ class SchedulerServer:
                  budget_bytes: int | None = None, heartbeat_timeout_s: float = 60.0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
-                 copy_latency_ms: float = 0.01, max_overhead: float = 0.0) -> None:
+                 copy_latency_ms: float = COPY_LATENCY_MS, max_overhead: float = 0.0) -> None:
         check_max_overhead(max_overhead)
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
