@@ -278,8 +278,13 @@ class SchedulerServer:
         if times is not None and len(times) != len(job.op_ms):
             raise ProtocolError(f"measured.op_times_ms: expected {len(job.op_ms)} op times "
                                 f"(job {job.job_id}), got {len(times)}")
+        retimed = msg.get("retimed", False)
+        if retimed and times is None:
+            raise ProtocolError("measured.retimed needs op_times_ms: the new op times")
         starts = self._starts(job, msg.get("op_start_ms"), msg["iter_ms"])  # checked first
-        if times is not None:
+        if retimed:   # not blended: the op times of the step's old mode are void
+            job.op_ms = [max(m, 1e-6) for m in times]
+        elif times is not None:
             w = EWMA_NEW_WEIGHT  # as tensile.estimate.OpTimeModel: 0.9 new + 0.1 old
             job.op_ms = [max(w * m + (1 - w) * e, 1e-6) for m, e in zip(times, job.op_ms)]
         first = not job.measured
@@ -287,10 +292,7 @@ class SchedulerServer:
         job.op_start_ms = starts
         if "iter_start_s" in msg:
             job.iter_start_s = msg["iter_start_s"]
-        if msg.get("retimed"):
-            if times is None:
-                raise ProtocolError("measured.retimed needs op_times_ms: the new op times")
-            job.op_ms = [max(m, 1e-6) for m in times]   # not blended: the old mode's are void
+        if retimed:
             job.drift = DriftDetector()
             job.drift.add(job.iter_ms)
             reason = f"{job.job_id} retimed ({job.iter_ms:.2f} ms per iteration)"

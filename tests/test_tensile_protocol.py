@@ -407,6 +407,7 @@ def test_malformed_messages_get_errors_and_the_server_keeps_serving(start_server
     assert reply["code"] == "bad_message" and "non-decreasing" in reply["error"]
     reply = ask(s, encode({"type": "measured", "seq": 9, "iter_ms": 5.0, "retimed": True}))
     assert reply["code"] == "bad_message" and "retimed needs op_times_ms" in reply["error"]
+    assert not srv.jobs["raw"].measured   # a refused message changes nothing
     # A second registration under a live id is refused.
     s2 = raw(srv.path)
     assert ask(s2, encode(register_msg("raw")))["code"] == "id_in_use"
