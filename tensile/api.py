@@ -398,11 +398,12 @@ class Scheduler:
         if self.client is not None and time.monotonic() - self._last_contact >= _HEARTBEAT_S:
             self.heartbeat()
         if self._graph is None or self.plan is not self._graph_plan:
-            retimed = self._graph is not None or self.captured_vanilla_ms is not None
+            # the graph's op times are measured once; a new plan is captured as it comes
+            graph_timed = self._graph is not None or self.captured_vanilla_ms is not None
             self._graph = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._graph = self.capture(*batch, plan_for_graph=not retimed)
+            self._graph = self.capture(*batch, plan_for_graph=not graph_timed)
         return self._graph(*batch)
 
     def _plan_for_captured_step(self, batch: Sequence, warmup: int) -> None:
