@@ -42,10 +42,13 @@ Rows (``<results_dir>/<gpu>/tensile_multi.csv``, :mod:`experiments.store`): one 
 setting (``backend`` = the job id) and one per setting with ``backend`` = ``GPU``. ``mode`` is
 the setting's label. Metrics (the row's ``extra`` JSON unless a column):
 
-* per job, over its measured steps (after ``--warmup``): ``median_ms``/``p10_ms``/``p90_ms``
+* per job, over its measured steps (after ``--warmup``; with ``--captured`` a step that
+  captured a graph is left out, as set-up: ``measured_captures_<phase>`` counts them and
+  ``measured_capture_ms_<phase>`` sums their time): ``median_ms``/``p10_ms``/``p90_ms``
   (columns: tensile phase) and ``iter_ms_{median,p10,p90,mean}_{vanilla,tensile}``;
   ``peak_alloc_*_mb`` / ``peak_reserved_*_mb`` (``torch.cuda.max_memory_allocated`` /
-  ``_reserved``; empty on CPU); ``msr_alloc`` / ``msr_reserved`` = 1 - peak_tensile /
+  ``_reserved`` over those steps, :class:`SteadyPeaks`; a replayed graph's allocated peak
+  is that of its capture; empty on CPU); ``msr_alloc`` / ``msr_reserved`` = 1 - peak_tensile /
   peak_vanilla; ``eor`` = mean_tensile / mean_vanilla - 1; ``cbr`` = msr_alloc / eor (empty
   when eor <= 0), all by :func:`experiments.tensile_run.derived_metrics`;
   ``cold_start_msr`` = the same MSR on the peaks of each job's FIRST step (the scheduler's
@@ -112,7 +115,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
@@ -284,6 +287,56 @@ def _outside_allocator_mb(cuda: bool) -> float | None:
     return round((total - free - torch.cuda.memory_reserved()) / MB, 1)
 
 
+class SteadyPeaks:
+    """A job's allocator peaks (MB) over its measured steps, steps that captured a graph
+    left out: a capture's set-up (the vanilla graph timed for the plan, the warm-up's copies
+    of the model and optimizer state) is not what the job needs to train, as the NVML
+    steady peak leaves those steps out too (:func:`_windows`).
+
+    ``read()`` gives (allocated, reserved) peaks since the last ``reset()``. Call
+    :meth:`add` after every measured step with what ``read()`` gave right before it. A
+    graph's replays allocate nothing, so the allocated peak of the steps that replay one
+    is the peak of its capture (``GraphStep.peak_bytes``): pass it as ``graph_mb``.
+    """
+
+    def __init__(self, read: Callable[[], tuple], reset: Callable[[], None]) -> None:
+        self.read, self.reset = read, reset
+        self.alloc_mb: float | None = None
+        self.reserved_mb: float | None = None
+        self._pending = False   # steps since the last reset that count
+
+    def _fold(self, alloc: float | None, reserved: float | None) -> None:
+        if alloc is not None:
+            self.alloc_mb = alloc if self.alloc_mb is None else max(self.alloc_mb, alloc)
+        if reserved is not None:
+            self.reserved_mb = reserved if self.reserved_mb is None else max(self.reserved_mb, reserved)
+
+    def add(self, before: tuple, captured: bool, graph_mb: float | None = None) -> None:
+        if captured:   # the peaks so far are the steps before this one; start afresh after it
+            if self._pending:
+                self._fold(*before)
+            self.reset()
+            self._pending = False
+        else:
+            self._pending = True
+        if graph_mb is not None:
+            self._fold(graph_mb, None)
+
+    def result(self) -> tuple[float | None, float | None]:
+        """(allocated, reserved) peaks of the steps that count."""
+        if self._pending:
+            self._fold(*self.read())
+            self._pending = False
+        return self.alloc_mb, self.reserved_mb
+
+
+def _reset_peaks(cuda: bool) -> None:
+    import torch
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _free(cuda: bool) -> None:
     """Give cached blocks back, so that start-up (recording) memory does not count later."""
     import torch
@@ -395,6 +448,8 @@ def run_job(p: dict) -> dict:
         versions: list[int] = []   # plan versions in the order they ran
         first_peaks = (None, None)
         before = None
+        steady = SteadyPeaks(lambda: _peaks(cuda), lambda: _reset_peaks(cuda))
+        capture_steps: list[int] = []   # the steps that captured a graph
         i = 0
         while i < p["steps"] or (p["until_stop"] and not cmds.eof and not cmds.seen("stop")):
             if i == p["warmup"]:  # measured steps from here: fresh peaks and counters
@@ -403,11 +458,15 @@ def run_job(p: dict) -> dict:
             version = sched.report().plan_version if sched else None
             if version is not None and (not versions or versions[-1] != version):
                 versions.append(version)
-            captures, t0 = _captures(sched, step), time.monotonic()
+            captures, t0, peaks_before = _captures(sched, step), time.monotonic(), _peaks(cuda)
             loss, ms = _timed(step, cuda)
             times.append(ms)
-            if _captures(sched, step) > captures:   # this step captured a graph
+            captured_now = _captures(sched, step) > captures
+            if captured_now:
+                capture_steps.append(i)
                 _emit({"event": "captured", "job": p["job_id"], "t0": t0, "t1": time.monotonic()})
+            if i >= p["warmup"]:
+                steady.add(peaks_before, captured_now, _graph_peak_mb(sched, step))
             if i == 0:
                 first_peaks = _peaks(cuda)
                 outside["first_step"] = _outside_allocator_mb(cuda)
@@ -416,9 +475,10 @@ def run_job(p: dict) -> dict:
         loss = float(loss)
         if not math.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss} after {i} steps")
-        peak_alloc, peak_reserved = _peaks(cuda)
+        peak_alloc, peak_reserved = steady.result()
         outside["last_step"] = _outside_allocator_mb(cuda)
         out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
+               "capture_steps": capture_steps,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
         if sched is not None:
@@ -458,6 +518,12 @@ class _CapturedVanilla:
                                    self.batch, self.model, self.opt)
             self.captures += 1
         return self.graph(*self.batch)
+
+
+def _graph_peak_mb(sched, step) -> float | None:
+    """The allocated peak (MB) of the capture of the graph the job replays now, if any."""
+    graph = sched.graph if sched is not None else getattr(step, "graph", None)
+    return None if graph is None else graph.peak_bytes / MB
 
 
 def _captures(sched, step) -> int:
@@ -804,11 +870,17 @@ def _stats(times: Sequence[float]) -> dict[str, float]:
 
 
 def _job_summary(result: dict) -> dict:
-    """Step-time statistics over the measured steps and the settling index over all steps."""
-    times = result["iter_ms"]
-    measured = times[result["warmup"]:]
+    """Step-time statistics over the measured steps, those that captured a graph left out
+    (their time is reported apart), and the settling index over all steps."""
+    times, warmup = result["iter_ms"], result["warmup"]
+    captures = {i for i in result.get("capture_steps", ()) if i >= warmup}
+    measured = [t for i, t in enumerate(times) if i >= warmup and i not in captures]
+    if not measured:
+        raise ValueError(f"no measured step without a capture: {len(times)} steps, warm-up "
+                         f"{warmup}, captures at {sorted(captures)}")
     s = _stats(measured)
-    return {**s, "iters": len(measured), "iters_to_steady": settle_index(times, s["median"])}
+    return {**s, "iters": len(measured), "iters_to_steady": settle_index(times, s["median"]),
+            "captures": len(captures), "capture_ms": sum(times[i] for i in captures)}
 
 
 def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
@@ -837,7 +909,9 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"first_iter_peak_reserved_{name}_mb": res["first_peak_reserved_mb"],
                       f"outside_allocator_mb_{name}": res.get("outside_allocator_mb"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
-                      f"measured_iters_{name}": s["iters"]})
+                      f"measured_iters_{name}": s["iters"],
+                      f"measured_captures_{name}": s["captures"],
+                      f"measured_capture_ms_{name}": s["capture_ms"]})
         if name == "tensile":
             row.update(median_ms=s["median"], p10_ms=s["p10"], p90_ms=s["p90"],
                        mean_ms=s["mean"], std_ms=s["std"],

@@ -384,6 +384,11 @@ class Scheduler:
         self.captures += 1
         return graph
 
+    @property
+    def graph(self) -> GraphStep | None:
+        """The graph :meth:`replay` replays now (None before its first capture)."""
+        return self._graph
+
     def replay(self, *batch) -> torch.Tensor:
         """One training step as a CUDA graph replay; returns the loss (overwritten by the
         next call).
@@ -397,6 +402,9 @@ class Scheduler:
             return self.step(*batch)
         if self.client is not None and time.monotonic() - self._last_contact >= _HEARTBEAT_S:
             self.heartbeat()
+        if self._graph is not None and self.plan is not self._graph_plan \
+                and self.plan.same_actions(self._graph_plan):
+            self._graph_plan = self.plan   # a new plan that does the same: the graph serves it
         if self._graph is None or self.plan is not self._graph_plan:
             # the graph's op times are measured once; a new plan is captured as it comes
             graph_timed = self._graph is not None or self.captured_vanilla_ms is not None

@@ -120,6 +120,23 @@ class Plan:
         """Bytes copied per iteration, both directions together."""
         return 2 * self.host_bytes
 
+    def same_actions(self, other: "Plan") -> bool:
+        """Whether a step under ``other`` does just what it does under this plan: the same
+        copies, releases and recomputes (sources, kept and scratch storages included) at the
+        same ops, in the same order. Only the planner's times and estimates may differ, so a
+        CUDA graph captured with one plan serves the other."""
+        def swaps(p: Plan) -> list[tuple]:
+            return sorted((s.sid, s.nbytes, s.cross_iteration, s.out_issue_op, s.release_after_op,
+                           s.in_issue_op, s.use_op) for s in p.swaps)
+
+        def recomputes(p: Plan) -> list[tuple]:
+            return sorted((r.sid, r.nbytes, r.producer_op, r.release_after_op, r.before_op,
+                           tuple(r.sources), tuple(r.then_ops), tuple(r.scratch),
+                           tuple(r.transient), tuple(r.kept)) for r in p.recomputes)
+
+        return (self.num_ops == other.num_ops and swaps(self) == swaps(other)
+                and recomputes(self) == recomputes(other) and self.actions() == other.actions())
+
     def actions(self) -> dict[int, list[str]]:
         """Per op, what happens around it, in the order the runtime does it.
 

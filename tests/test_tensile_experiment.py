@@ -311,6 +311,7 @@ def test_presets_cover_the_papers_workloads():
     captured = _compose(["+sweep=tensile_captured"], hydra_cfg=True)
     assert str(captured.hydra.sweeper.params.model).split(",") == PAPER_MODELS
     assert list(captured.experiment.methods) == ["vanilla", "graph", "tensile_graph", "checkpoint_graph"]
+    assert captured.experiment.copy_latency_ms == 0.1 and single.experiment.copy_latency_ms == 0.01
     # every model's target limit (half the authors' EOR, to two places) is one of the points
     assert {0.05, 0.08, 0.13, 0.15, 0.3} == {
         float(o) for o in str(captured.hydra.sweeper.params["experiment.max_overhead"]).split(",")}

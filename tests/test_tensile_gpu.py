@@ -289,6 +289,29 @@ def test_capture_plans_for_the_captured_steps_own_timing():
     assert sched.replans == kept
 
 
+def test_replay_captures_again_only_for_a_plan_that_does_something_else():
+    """replay() keeps its graph for a new plan with the same actions (a scheduler's re-plan
+    that changed only times) and captures again for one that acts differently."""
+    data = batches(4, batch=64, hw=64)
+    budget = int(0.6 * planned_vanilla_peak(data, width=64))
+    model = make_cnn(width=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
+                              allow_cross_iteration=False, budget=budget)
+    sched.replay(*data[0])               # an ordinary step (the optimizer's state)
+    sched.replay(*data[1])               # captures
+    graph = sched.graph
+    assert sched.captures == 1 and graph is not None and sched.plan.swaps + sched.plan.recomputes
+    sched.plan = dataclasses.replace(sched.plan, iteration_ms=2 * sched.plan.iteration_ms)
+    sched.runner.set_plan(sched.plan)
+    assert torch.isfinite(sched.replay(*data[2]))
+    assert sched.captures == 1 and sched.graph is graph
+    sched.plan = sched._vanilla_plan()    # no swaps, no recomputes: another graph
+    sched.runner.set_plan(sched.plan)
+    assert torch.isfinite(sched.replay(*data[3]))
+    assert sched.captures == 2 and sched.graph is not graph
+
+
 def make_cuda_resnet(width: int = 32) -> nn.Module:
     return make_resnet(width, device="cuda")
 

@@ -194,6 +194,43 @@ def test_settle_index():
     assert tm.settle_index([10, 10, 20], 10) is None   # the last one is off: never settled
 
 
+def test_steady_peaks_leave_the_steps_that_captured_out():
+    """A capture's set-up peak (the timing graph, the warm-up's copies) does not count;
+    the steps before and after it do, and a replayed graph counts with its capture's peak."""
+    stats = {"alloc": 0.0, "reserved": 0.0}
+    resets = []
+
+    def run(alloc, reserved):   # a step that peaks at these (the allocator's running max)
+        stats["alloc"], stats["reserved"] = max(stats["alloc"], alloc), max(stats["reserved"], reserved)
+
+    def reset():
+        resets.append(1)
+        stats["alloc"] = stats["reserved"] = 0.0
+
+    steady = tm.SteadyPeaks(lambda: (stats["alloc"], stats["reserved"]), reset)
+    for captured, alloc, reserved, graph in [(False, 500, 600, None),   # an uncaptured step
+                                             (True, 900, 1400, 300),    # captures: set-up peak
+                                             (False, 310, 700, 300),    # replays that graph
+                                             (False, 310, 650, 300)]:
+        before = (stats["alloc"], stats["reserved"])
+        run(alloc, reserved)
+        steady.add(before, captured, graph)
+    assert steady.result() == (500, 700)   # neither 900 nor 1400
+    assert len(resets) == 1
+    # a graph whose capture peaked above every uncaptured step sets the allocated peak
+    late = tm.SteadyPeaks(lambda: (stats["alloc"], stats["reserved"]), reset)
+    late.add((0, 0), True, 800)
+    assert late.result()[0] == 800
+
+
+def test_job_summary_times_exclude_capture_steps():
+    result = {"iter_ms": [90, 10, 400, 10, 12, 350, 11], "warmup": 2, "capture_steps": [1, 2, 5]}
+    s = tm._job_summary(result)
+    assert s["iters"] == 3 and s["median"] == 11 and s["captures"] == 2 and s["capture_ms"] == 750
+    with pytest.raises(ValueError, match="no measured step without a capture"):
+        tm._job_summary({"iter_ms": [9, 9, 9], "warmup": 2, "capture_steps": [2]})
+
+
 def test_phase_memory_leaves_start_ups_out_of_the_steady_peak():
     mb = tm.MB
     samples = [("tensile", 0.0, 100 * mb, ""), ("tensile", 0.1, 100 * mb, "arrive a"),
@@ -317,6 +354,8 @@ def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_p
         assert (phase, "capture resnet50-1") in events and (phase, "captured resnet50-1") in events
     e = json.loads(rows["resnet50-1"]["extra"])
     assert e["measured_iters_tensile"] == 10 and e["replans"] == 1
+    # no capture among the measured steps, so every peak is a replay's (the graph's own)
+    assert e["measured_captures_tensile"] == 0 and e["measured_captures_vanilla"] == 0
     # both phases replay graphs: the plan's extra time is the GPU's, not the host's
     # (H200: 5.30 against 5.21 ms; the eager runtime's job took 2.4x its vanilla step)
     assert e["iter_ms_median_tensile"] < 1.5 * e["iter_ms_median_vanilla"]

@@ -396,6 +396,27 @@ def test_actions_and_summary_are_readable():
     assert "peak" in text and "swap_in" in text and "[next iteration]" in text
 
 
+def test_same_actions_ignores_the_planners_times_only():
+    """A re-plan that does what the old plan did (a captured job need not capture again)
+    differs only in its times; any other change counts."""
+    import copy
+    import dataclasses
+    tl = _simple()
+    p = plan(tl, d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    assert p.swaps
+    slower = plan(tl, d2h_bw=0.9e10, h2d_bw=0.9e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    assert slower.swaps[0].in_start_ms != p.swaps[0].in_start_ms   # other times, same actions
+    assert p.same_actions(slower) and slower.same_actions(p)
+    retimed = dataclasses.replace(p, iteration_ms=2 * p.iteration_ms, est_overhead_ms=1.0)
+    assert p.same_actions(retimed)
+    later = copy.deepcopy(p)
+    later.swaps[0].in_issue_op += 1
+    assert not p.same_actions(later)
+    fewer = dataclasses.replace(p, swaps=p.swaps[1:])
+    assert not p.same_actions(fewer)
+    assert not p.same_actions(dataclasses.replace(p, num_ops=p.num_ops + 1))
+
+
 def test_plan_json_rejects_other_json(tmp_path):
     p = plan(_simple(), d2h_bw=1e10, h2d_bw=1e10)
     p.save(tmp_path / "plan.json")
