@@ -1034,9 +1034,11 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
                "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "
                "what a TENSILE process adds there offsets what its plan saves; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
-               "columns are means over the setting's jobs (allocator peaks); a `captured` setting's "
-               "replays allocate nothing (each graph's pool is reserved at its capture), so its jobs' "
-               "measure is MSR reserved; run = the setting's latest "
+               "columns are means over the setting's jobs (allocator peaks over the measured steps; "
+               "in `captured` settings without the steps that captured a graph, whose time is left "
+               "out of EOR too, and with a replayed graph counted at its capture's allocated peak, "
+               "as replays allocate nothing: rows from before 2026-11-30 11:40 counted the captures, "
+               "so their MSR alloc is about 0); run = the setting's latest "
                "run (earlier ones stay in tensile_multi.csv). `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]
