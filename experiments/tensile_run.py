@@ -97,6 +97,10 @@ def validate(cfg, models: dict) -> None:
     lat = exp.get("copy_latency_ms", COPY_LATENCY_MS)
     if not isinstance(lat, (int, float)) or isinstance(lat, bool) or not 0 <= lat < 1000:
         raise ConfigError(f"experiment.copy_latency_ms must be a time in ms >= 0, got {lat!r}")
+    so = exp.get("stream_optimizer", 0)
+    if not isinstance(so, int) or isinstance(so, bool) or so < 0:
+        raise ConfigError(f"experiment.stream_optimizer must be a number of parameter groups "
+                          f">= 0 (0: off), got {so!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -165,6 +169,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"max_overhead={exp.max_overhead:g}")
         if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
+        if name == "tensile_graph" and exp.get("stream_optimizer", 0):
+            knobs.append(f"stream_optimizer={int(exp.stream_optimizer)}")
         return f"{name}({','.join(knobs)})" if knobs else name
     return name
 
@@ -389,6 +395,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             budget = int(tensile_peak)
         if name in ("tensile", "capuchin", "tensile_graph"):
             opts["budget"] = budget
+        if name == "tensile_graph" and exp.get("stream_optimizer", 0):
+            opts["stream_optimizer"] = int(exp.stream_optimizer)
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:

@@ -47,7 +47,7 @@ from .plan import Plan
 from .planner import COPY_LATENCY_MS
 from .planner import plan as make_plan
 from .record import Recording, record_step
-from .runtime import PlanRunner, RuntimeStats, bytes_per_s
+from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
 from .step import training_step
 from .timeline import AccessTimeline
 
@@ -322,7 +322,13 @@ class Scheduler:
         init = self._init_pending
         measure = self._measure_next and not init
         start_s = time.monotonic()
-        res = self.runner.step(batch, measure_ops=measure, init_step=init)
+        if init and getattr(self.optimizer, "_tensile_streamed", None) is not None:
+            # A streamed optimizer (tensile.streamed) without state updates after backward,
+            # not in it: this first step's backward differs from the recording, so it runs
+            # unplanned (it creates the state, which then moves to the host).
+            res = StepResult(loss=training_step(self.model, self.optimizer, batch, self.loss_fn))
+        else:
+            res = self.runner.step(batch, measure_ops=measure, init_step=init)
         self._init_pending = False
         if res.op_ms is not None:
             self.times.update(res.op_ms)

@@ -25,7 +25,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   the capture then re-plans with the op times of a graph of the vanilla step, see
   ``Scheduler.capture``). Both need CUDA and a
   capturable optimizer; they take the host out of the step, so what the plan costs is
-  what it costs the GPU (``tensile_graph`` against ``graph``);
+  what it costs the GPU (``tensile_graph`` against ``graph``). ``tensile_graph``'s option
+  ``stream_optimizer=<groups>`` first installs :func:`tensile.stream_optimizer` (the update
+  in backward, Adam's state streamed from the host; 0: not);
 * ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
   built-in for ``tensile_graph`` (CUDA, capturable optimizer; refused for a model with
   dropout or other random ops, see :func:`random_ops`).
@@ -54,6 +56,7 @@ from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
+from .streamed import stream_optimizer as tensile_stream_optimizer
 
 __all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
            "random_ops"]
@@ -314,12 +317,14 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
-                   **scheduler_kwargs) -> StepFn:
+                   stream_optimizer: int = 0, **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
+    if stream_optimizer:   # the update in backward, state streamed from the host (groups)
+        streamed = tensile_stream_optimizer(optimizer, stream_optimizer)
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
@@ -335,7 +340,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                 # every replay repeats the captured step's copies: the plan's
                 "bytes_moved_per_step": sched.plan.bytes_moved,
                 # the replay time of the captured vanilla step the plan was made for
-                "captured_vanilla_ms": sched.captured_vanilla_ms}
+                "captured_vanilla_ms": sched.captured_vanilla_ms,
+                **({"stream_groups": len(streamed.groups)} if stream_optimizer else {})}
     return StepFn("tensile_graph", lambda b: graph(*b), stats)
 
 

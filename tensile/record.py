@@ -346,8 +346,11 @@ def _roles(rec: _Recorder, model, optimizer, batch, loss_fn):
         # Re-pointing one parameter's .data would split it from its siblings' storage.
         del param_names[sid]
     all_params = [p for g in optimizer.param_groups for p in g["params"]]
+    streamed = getattr(optimizer, "_tensile_streamed", None)   # tensile.streamed
     for i, p in enumerate(all_params):
         for key, v in optimizer.state.get(p, {}).items():
+            if streamed is not None and streamed.homes(p, key):
+                continue   # host memory streamed in by the step itself, never moved by a plan
             if isinstance(v, torch.Tensor) and v.device.type == rec.device_type:
                 sid = rec.ids.lookup(v)
                 if sid is not None and sid not in roles:

@@ -219,6 +219,34 @@ def test_captured_swap_plan_trains_bit_identically_to_eager():
     assert copies["copy_ms"] > 0
 
 
+def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_peak():
+    """tensile.stream_optimizer: Adam's update in backward, its state streamed from pinned
+    host memory on the copy streams. Scheduled eager steps and the captured plan train
+    exactly like plain eager Adam, and without the moments and with one group's gradients
+    at a time on the device the captured step peaks well below the captured vanilla step."""
+    data = batches(8, batch=2, hw=8)          # weights and state dominate: 14 + 28 MB
+    m0, o0 = _eager(data, 256)
+    _, _, vanilla = _captured_vanilla(data, 256)
+
+    model = make_cnn(width=256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    streamed = tensile.stream_optimizer(opt, groups=8)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
+                              allow_cross_iteration=False)
+    for b in data[:2]:
+        sched.step(*b)
+    graph = sched.capture(*data[0])
+    for b in data[2:]:
+        graph(*b)
+    torch.cuda.synchronize()
+    print(f"captured peak: vanilla {vanilla.peak_bytes / 2**20:.1f} MiB, streamed "
+          f"{graph.peak_bytes / 2**20:.1f} MiB; {len(streamed.groups)} groups")
+    assert all(g.host.is_pinned() for g in streamed.groups)
+    for a, b in zip(states(m0, o0), states(model, opt)):
+        assert torch.equal(a.cpu(), b.cpu()), "the streamed step differs from plain eager Adam"
+    assert graph.peak_bytes < 0.7 * vanilla.peak_bytes
+
+
 def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step():
     """A block released after its copy-out serves later allocations of the same capture,
     so the graph's peak falls with the plan (record_stream would defer every such block

@@ -1,0 +1,171 @@
+"""tensile.stream_optimizer on the CPU: updates inside backward, state in host regions."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tensile
+from tensile.step import training_step
+
+LOSS = nn.functional.cross_entropy
+
+
+class WithSpare(nn.Module):
+    """A model with a layer it never calls: that layer never gets a gradient."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.spare = body, nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def make_model(unused: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 10))
+    return WithSpare(model) if unused else model
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g))
+            for _ in range(n)]
+
+
+def states(model, opt):
+    out = [p.detach() for p in model.parameters()]
+    for p in model.parameters():
+        out += [v for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def train_plain(data, **adam):
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    return model, opt
+
+
+def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it():
+    data = batches(6)
+    m0, o0 = train_plain(data, weight_decay=0.01)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    streamed = tensile.stream_optimizer(opt, groups=3)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert len(streamed.groups) == 3
+    # the first step creates the state after backward; every later one updates in backward
+    assert streamed.updates_in_backward == 3 * (len(data) - 1) and streamed.late_updates == 0
+    for a, b in zip(states(m0, o0), states(model, opt)):
+        assert torch.equal(a, b)
+
+
+def test_gradients_are_gone_when_backward_ends_and_the_state_lives_in_host_regions():
+    data = batches(3)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=2)
+    training_step(model, opt, data[0], LOSS)          # creates the state
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    LOSS(model(data[1][0]), data[1][1]).backward()
+    assert all(p.grad is None for p in model.parameters())      # freed by each group's update
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # updated
+    opt.step()                                                   # finishes the step: nothing left
+    assert streamed.late_updates == 0
+    regions = {g.host.untyped_storage().data_ptr() for g in streamed.groups}
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert streamed.homes(p, key)
+            assert opt.state[p][key].untyped_storage().data_ptr() in regions
+        assert not streamed.homes(p, "step")
+
+
+def test_a_parameter_without_a_gradient_is_left_to_step_and_still_exact():
+    """A group whose parameters did not all get a gradient updates after backward."""
+    data = batches(4)
+    m0 = make_model(unused=True)
+    o0 = torch.optim.Adam(m0.parameters(), lr=1e-2)
+    model = make_model(unused=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=4)
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+        training_step(model, opt, b, LOSS)
+    spare = streamed._group_of[id(model.spare.weight)]
+    assert streamed.late_updates == len(data) - 1            # the spare's group, every step
+    assert streamed.updates_in_backward == (len(streamed.groups) - 1) * (len(data) - 1)
+    assert model.spare.weight not in opt.state and spare == 0   # first in backward's order
+    for a, b in zip(states(m0, o0), states(model, opt)):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_round_trip_and_remove():
+    data = batches(3)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=2)
+    for b in data[:2]:
+        training_step(model, opt, b, LOSS)
+    saved = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)                          # back in host regions, same values
+    p0 = next(model.parameters())
+    assert streamed.homes(p0, "exp_avg")
+    for k, v in saved.items():
+        assert torch.equal(opt.state[p0][k], v)
+    training_step(model, opt, data[2], LOSS)
+    streamed.remove()
+    assert not hasattr(opt, "_tensile_streamed") and opt.step.__func__ is torch.optim.Adam.step
+    training_step(model, opt, data[0], LOSS)         # a plain optimizer again
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda m: torch.optim.LBFGS(m.parameters()), "LBFGS"),
+    (lambda m: "adam", "must be a torch.optim.Optimizer"),
+])
+def test_what_cannot_update_in_backward_is_refused(make, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        tensile.stream_optimizer(make(make_model()))
+
+
+def test_bad_groups_twice_and_a_closure_are_refused():
+    opt = torch.optim.Adam(make_model().parameters())
+    with pytest.raises(ValueError, match="groups: expected an int >= 1, got 0"):
+        tensile.stream_optimizer(opt, groups=0)
+    tensile.stream_optimizer(opt)
+    with pytest.raises(ValueError, match="streamed already"):
+        tensile.stream_optimizer(opt)
+    with pytest.raises(ValueError, match="takes no closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
+    """The step TENSILE records has the updates and copies in backward and no optimizer state
+    among its device tensors; planned and run (simulation), it trains like the plain step."""
+    data = batches(8)
+    m0, o0 = train_plain(data)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3)
+    sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
+                              allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
+                              peak_flops=1e12, peak_bytes_per_s=1e11)
+    # Adam's moments are host memory now: what stays optimizer state are the step counts
+    assert {key for _, key in sched.recording.opt_state_keys.values()} == {"step"}
+    nodes = sched.recording.graph.nodes
+    assert not [n for n in nodes if n.phase == "optimizer"]   # every update ran in backward
+    copies = [n for n in nodes if n.phase == "backward" and n.name == "aten.copy_.default"]
+    assert len(copies) == 2 * len(streamed.groups)            # each group's state in and out
+    for b in data:
+        sched.step(*b)
+    assert sched.plan.swaps and sched.runner.stats.swap_ins > 0
+    assert streamed.updates_in_backward == 3 * len(data)      # the recording's step, then 7
+    for a, b in zip(states(m0, o0), states(model, opt)):
+        assert torch.equal(a, b)
