@@ -186,9 +186,19 @@ def _restore_in_place(module: nn.Module, saved: dict, grads: list[torch.Tensor],
             g.copy_(old) if old is not None else g.zero_()
 
 
+def _wait_for_host_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state kept in host memory beside a CUDA model (``tensile.stream_optimizer``)
+    is written by asynchronous copies: let them finish before the host reads or writes it."""
+    device = next(module.parameters()).device
+    if device.type == "cuda" and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                                     for st in optimizer.state.values() for v in st.values()):
+        torch.cuda.synchronize(device)
+
+
 def save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Clones of the module's state and of the optimizer's state tensors, for
     :func:`put_back_step_state` after warm-up steps or timing replays that train."""
+    _wait_for_host_state(module, optimizer)
     return ({k: v.detach().clone() for k, v in module.state_dict().items()},
             {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
              for p, st in optimizer.state.items()})
@@ -199,6 +209,7 @@ def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
     """Module and optimizer state back *in place* (a captured graph keeps using those
     addresses), ``grads`` zeroed; optimizer state created since the save becomes zeros."""
     model_state, opt_state = saved
+    _wait_for_host_state(module, optimizer)
     with torch.no_grad():
         for k, v in module.state_dict().items():
             v.copy_(model_state[k])

@@ -26,7 +26,10 @@ about one group's gradients are on the device at a time, and the copies run besi
 backward's kernels.
 
 The update of each group is the optimizer's own, so an elementwise optimizer (Adam, AdamW,
-SGD, ...) trains exactly as with one ``step()`` after backward: bit for bit (tests). Not for
+SGD, ...) trains exactly as with one ``step()`` after backward: bit for bit (tests). The host
+regions are written by asynchronous copies: ``optimizer.state_dict()`` waits for them (so do
+``nimble.training.save_step_state`` and the Scheduler's snapshots); read ``optimizer.state``
+directly only after ``StreamedOptimizer.synchronize()``. Not for
 an update that needs all gradients at once: gradient clipping by the global norm, gradient
 accumulation over several backward passes, LBFGS. The first ``step()`` (the optimizer's
 state does not exist yet) runs as usual after backward and then moves the state to the host.
@@ -99,9 +102,11 @@ class StreamedOptimizer:
         self._done: set[int] = set()          # groups updated this step
         self._pending: list[int] = []         # groups whose device buffer is still held
         self._in_step = False
-        self._original = {name: getattr(optimizer, name) for name in ("step", "load_state_dict")}
+        self._original = {name: getattr(optimizer, name)
+                          for name in ("step", "load_state_dict", "state_dict")}
         optimizer.step = types.MethodType(_streamed_step, optimizer)
         optimizer.load_state_dict = types.MethodType(_streamed_load, optimizer)
+        optimizer.state_dict = types.MethodType(_streamed_state_dict, optimizer)
         optimizer._tensile_streamed = self
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         self.home_state()
@@ -115,11 +120,18 @@ class StreamedOptimizer:
         for name, fn in self._original.items():
             setattr(self.optimizer, name, fn)
         del self.optimizer._tensile_streamed
+        self.synchronize()
         for g in self.groups:
             for p, key, off, n in g.keys:
                 state = self.optimizer.state[p]
                 state[key] = state[key].to(self.device, copy=True)
             g.keys, g.host = [], None
+
+    def synchronize(self) -> None:
+        """Wait for the state's copies to the host: the host regions are final afterwards.
+        ``optimizer.state_dict()`` does it; read ``optimizer.state`` directly only after it."""
+        if self.cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(self.device)
 
     def homes(self, p: torch.Tensor, key: str) -> bool:
         """Whether state entry ``key`` of parameter ``p`` lives in a host region."""
@@ -272,8 +284,15 @@ def _streamed_step(optimizer, closure=None):
 
 def _streamed_load(optimizer, state_dict):
     s: StreamedOptimizer = optimizer._tensile_streamed
+    s.synchronize()     # no copy may still read or write the regions being replaced
     s._original["load_state_dict"](state_dict)
     s.home_state()
+
+
+def _streamed_state_dict(optimizer):
+    s: StreamedOptimizer = optimizer._tensile_streamed
+    s.synchronize()     # the last step's copies to the host are done
+    return s._original["state_dict"]()
 
 
 def _split(params: list, groups: int) -> list[_Group]:
