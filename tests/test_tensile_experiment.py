@@ -321,9 +321,14 @@ def test_presets_cover_the_papers_workloads():
     # every model's target limit (half the authors' EOR, to two places) is one of the points
     assert {0.05, 0.08, 0.13, 0.15, 0.3} == {
         float(o) for o in str(captured.hydra.sweeper.params["experiment.max_overhead"]).split(",")}
+    streamed = _compose(["+sweep=tensile_streamed"], hydra_cfg=True)
+    assert streamed.experiment.stream_optimizer == 16
+    assert list(streamed.experiment.methods) == ["vanilla", "graph", "tensile_graph"]
+    assert str(streamed.hydra.sweeper.params.model).split(",") == [m for m in PAPER_MODELS
+                                                                   if m != "densenet121"]
     budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
     assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16,24,48,80"
-    for cfg in (single, batch, budget, captured):
+    for cfg in (single, batch, budget, captured, streamed):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
 

@@ -222,12 +222,27 @@ def test_captured_swap_plan_trains_bit_identically_to_eager():
 def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_peak():
     """tensile.stream_optimizer: Adam's update in backward, its state streamed from pinned
     host memory on the copy streams. Scheduled eager steps and the captured plan train
-    exactly like plain eager Adam, and without the moments and with one group's gradients
-    at a time on the device the captured step peaks well below the captured vanilla step."""
-    data = batches(8, batch=2, hw=8)          # weights and state dominate: 14 + 28 MB
+    exactly like plain eager Adam, and the captured step needs at least half the moments'
+    bytes less than the captured vanilla step (each capture's peak counted above what was
+    allocated before its model existed: the H200 run that compared raw peaks counted the
+    other models too)."""
+    data = batches(8, batch=2, hw=8)          # weights 14 MB, Adam's moments 28 MB
     m0, o0 = _eager(data, 256)
-    _, _, vanilla = _captured_vanilla(data, 256)
+    expected = [t.detach().cpu().clone() for t in states(m0, o0)]
+    moment_bytes = 2 * sum(p.numel() * p.element_size() for p in m0.parameters())
+    del m0, o0
+    gc.collect()
+    torch.cuda.empty_cache()
 
+    base = torch.cuda.memory_allocated()
+    _, _, vanilla = _captured_vanilla(data, 256)
+    vanilla_peak = vanilla.peak_bytes - base
+    del vanilla
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+    base = torch.cuda.memory_allocated()
     model = make_cnn(width=256)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     streamed = tensile.stream_optimizer(opt, groups=8)
@@ -239,12 +254,14 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     for b in data[2:]:
         graph(*b)
     torch.cuda.synchronize()
-    print(f"captured peak: vanilla {vanilla.peak_bytes / 2**20:.1f} MiB, streamed "
-          f"{graph.peak_bytes / 2**20:.1f} MiB; {len(streamed.groups)} groups")
+    streamed_peak = graph.peak_bytes - base
+    print(f"captured peak above the start: vanilla {vanilla_peak / 2**20:.1f} MiB, streamed "
+          f"{streamed_peak / 2**20:.1f} MiB ({len(streamed.groups)} groups; moments "
+          f"{moment_bytes / 2**20:.1f} MiB)")
     assert all(g.host.is_pinned() for g in streamed.groups)
-    for a, b in zip(states(m0, o0), states(model, opt)):
-        assert torch.equal(a.cpu(), b.cpu()), "the streamed step differs from plain eager Adam"
-    assert graph.peak_bytes < 0.7 * vanilla.peak_bytes
+    for a, b in zip(expected, states(model, opt)):
+        assert torch.equal(a, b.cpu()), "the streamed step differs from plain eager Adam"
+    assert streamed_peak <= vanilla_peak - moment_bytes / 2
 
 
 def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step():
