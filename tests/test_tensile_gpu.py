@@ -176,10 +176,13 @@ def _captured_vanilla(data, width: int, factory=make_cnn):
     return model, opt, graph
 
 
-def _captured_tensile(data, width: int, factory=make_cnn, **sched_kwargs):
-    """Two ordinary scheduled steps, then the planned step captured and replayed over the rest."""
+def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0, **sched_kwargs):
+    """Two ordinary scheduled steps, then the planned step captured and replayed over the rest
+    (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups)."""
     model = factory(width=width)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    if stream_groups:
+        tensile.stream_optimizer(opt, groups=stream_groups)
     sched_kwargs.setdefault("allow_cross_iteration", False)   # a graph keeps their addresses
     sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **sched_kwargs)
     for b in data[:2]:
@@ -243,17 +246,8 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     torch.cuda.empty_cache()
 
     base = torch.cuda.memory_allocated()
-    model = make_cnn(width=256)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
-    streamed = tensile.stream_optimizer(opt, groups=8)
-    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
-                              allow_cross_iteration=False)
-    for b in data[:2]:
-        sched.step(*b)
-    graph = sched.capture(*data[0])
-    for b in data[2:]:
-        graph(*b)
-    torch.cuda.synchronize()
+    model, opt, _, graph = _captured_tensile(data, 256, stream_groups=8)
+    streamed = opt._tensile_streamed
     streamed_peak = graph.peak_bytes - base
     print(f"captured peak above the start: vanilla {vanilla_peak / 2**20:.1f} MiB, streamed "
           f"{streamed_peak / 2**20:.1f} MiB ({len(streamed.groups)} groups; moments "

@@ -43,6 +43,19 @@ def states(model, opt):
     return out
 
 
+def assert_same_training(m0, o0, model, opt):
+    """Every parameter and optimizer state tensor equal, bit for bit."""
+    for a, b in zip(states(m0, o0), states(model, opt), strict=True):
+        assert torch.equal(a, b)
+
+
+def streamed_model(groups: int, unused: bool = False, **adam):
+    """A fresh model and its Adam, streamed in ``groups`` groups."""
+    model = make_model(unused)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
+    return model, opt, tensile.stream_optimizer(opt, groups=groups)
+
+
 def train_plain(data, **adam):
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
@@ -54,23 +67,18 @@ def train_plain(data, **adam):
 def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it():
     data = batches(6)
     m0, o0 = train_plain(data, weight_decay=0.01)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.01)
-    streamed = tensile.stream_optimizer(opt, groups=3)
+    model, opt, streamed = streamed_model(3, weight_decay=0.01)
     for b in data:
         training_step(model, opt, b, LOSS)
     assert len(streamed.groups) == 3
     # the first step creates the state after backward; every later one updates in backward
     assert streamed.updates_in_backward == 3 * (len(data) - 1) and streamed.late_updates == 0
-    for a, b in zip(states(m0, o0), states(model, opt)):
-        assert torch.equal(a, b)
+    assert_same_training(m0, o0, model, opt)
 
 
 def test_gradients_are_gone_when_backward_ends_and_the_state_lives_in_host_regions():
     data = batches(3)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    streamed = tensile.stream_optimizer(opt, groups=2)
+    model, opt, streamed = streamed_model(2)
     training_step(model, opt, data[0], LOSS)          # creates the state
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad(set_to_none=True)
@@ -92,9 +100,7 @@ def test_a_parameter_without_a_gradient_is_left_to_step_and_still_exact():
     data = batches(4)
     m0 = make_model(unused=True)
     o0 = torch.optim.Adam(m0.parameters(), lr=1e-2)
-    model = make_model(unused=True)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    streamed = tensile.stream_optimizer(opt, groups=4)
+    model, opt, streamed = streamed_model(4, unused=True)
     for b in data:
         training_step(m0, o0, b, LOSS)
         training_step(model, opt, b, LOSS)
@@ -102,15 +108,12 @@ def test_a_parameter_without_a_gradient_is_left_to_step_and_still_exact():
     assert streamed.late_updates == len(data) - 1            # the spare's group, every step
     assert streamed.updates_in_backward == (len(streamed.groups) - 1) * (len(data) - 1)
     assert model.spare.weight not in opt.state and spare == 0   # first in backward's order
-    for a, b in zip(states(m0, o0), states(model, opt)):
-        assert torch.equal(a, b)
+    assert_same_training(m0, o0, model, opt)
 
 
 def test_state_dict_round_trip_and_remove():
     data = batches(3)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    streamed = tensile.stream_optimizer(opt, groups=2)
+    model, opt, streamed = streamed_model(2)
     for b in data[:2]:
         training_step(model, opt, b, LOSS)
     saved = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
@@ -151,9 +154,7 @@ def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
     among its device tensors; planned and run (simulation), it trains like the plain step."""
     data = batches(8)
     m0, o0 = train_plain(data)
-    model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    streamed = tensile.stream_optimizer(opt, groups=3)
+    model, opt, streamed = streamed_model(3)
     sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
                               allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
                               peak_flops=1e12, peak_bytes_per_s=1e11)
@@ -167,5 +168,4 @@ def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
         sched.step(*b)
     assert sched.plan.swaps and sched.runner.stats.swap_ins > 0
     assert streamed.updates_in_backward == 3 * len(data)      # the recording's step, then 7
-    for a, b in zip(states(m0, o0), states(model, opt)):
-        assert torch.equal(a, b)
+    assert_same_training(m0, o0, model, opt)
