@@ -2,6 +2,7 @@
 
     python -m experiments.tensile_plans [--models vgg16,inception_v3,inception_v4,resnet50,densenet121]
         [--batch-size 16] [--max-overhead 0,0.05,0.1,0.3] [--gpu h200] [--out results/analysis]
+        [--stream-optimizer 16]
 
 Per model: one training step (Adam; inputs and classes of ``conf/experiment/tensile.yaml``;
 random weights and batch) is recorded on the CPU (:func:`tensile.record_step`); every op
@@ -11,7 +12,10 @@ measured on ``--gpu`` (its ``tensile_graph`` rows in ``results/<gpu>/tensile.csv
 at the bandwidths those rows measured. Then TENSILE plans it for each
 ``max_overhead`` as a captured step needs it (no swaps across iterations) and the planned
 peak, planned MSR and estimated extra time are written to ``tensile_plans.csv`` (one row
-per model × max_overhead, with the environment) and ``tensile_plans.md``.
+per model × max_overhead, with the environment) and ``tensile_plans.md``. With
+``--stream-optimizer N`` the step is recorded with :func:`tensile.stream_optimizer` (Adam's
+update in backward in N groups, its moments in host memory), into
+``tensile_plans_streamed.csv``/``.md``; the step time is then still the plain captured step's.
 
 These are promises, not measurements: the GPU rows say what a plan keeps (the report's
 "What the plans assumed against what the GPU did"). They show where the planner stands
@@ -37,6 +41,7 @@ from tensile.estimate import estimate_op_times, scaled_op_times
 from tensile.planner import plan
 from tensile.record import record_step
 from tensile.step import training_step
+from tensile.streamed import stream_optimizer
 
 __all__ = ["COLUMNS", "captured_step", "plan_model", "run_plans"]
 
@@ -49,7 +54,7 @@ DEFAULT_OVERHEADS = (0.0, 0.05, 0.1, 0.3)
 DEFAULT_TFLOPS, DEFAULT_TBPS, DEFAULT_GBPS = 60.0, 4.8, 50.0
 
 COLUMNS = [
-    "model", "batch_size", "max_overhead", "step_ms", "step_source", "d2h_gbps", "h2d_gbps",
+    "model", "batch_size", "stream_optimizer", "max_overhead", "step_ms", "step_source", "d2h_gbps", "h2d_gbps",
     "ops", "vanilla_peak_mb", "planned_peak_mb", "planned_msr", "est_eor", "swaps", "recomputes",
     "with_in_place", "rebuilt_first", "on_scratch", "planner_ms", "record_s", "status", "error",
     "torch", "torchvision", "timm", "commit", "date",
@@ -81,9 +86,11 @@ def captured_step(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
     return None
 
 
-def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path | None) -> list[dict]:
-    """Record ``name`` on the CPU and plan it for every ``max_overhead``: one row each."""
-    base = {"model": name, "batch_size": batch_size}
+def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path | None,
+               stream_groups: int = 0) -> list[dict]:
+    """Record ``name`` on the CPU and plan it for every ``max_overhead``: one row each
+    (``stream_groups``: the optimizer streamed, :func:`tensile.stream_optimizer`)."""
+    base = {"model": name, "batch_size": batch_size, "stream_optimizer": stream_groups}
     try:
         measured = captured_step(gpu_dir, name, batch_size) if gpu_dir is not None else None
         t0 = time.perf_counter()
@@ -91,6 +98,8 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
         exp = OmegaConf.load(TENSILE_CONF)   # the TENSILE experiment's inputs and classes
         model = _drop_aux_head(build_model(name, num_classes=exp.num_classes)).train()
         opt = torch.optim.Adam(model.parameters(), lr=exp.lr)
+        if stream_groups:
+            stream_optimizer(opt, groups=stream_groups)
         batch = (example_input(name, batch_size, "cpu", image_size=exp.image_size),
                  torch.randint(0, exp.num_classes, (batch_size,)))
         training_step(model, opt, batch, torch.nn.functional.cross_entropy)  # Adam's state exists
@@ -126,13 +135,16 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
 
 
 def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
-              overheads: list[float] = list(DEFAULT_OVERHEADS), gpu_dir: str | Path | None = None
-              ) -> pd.DataFrame:
-    """Plan ``names`` in order; write ``tensile_plans.csv`` and ``.md`` into ``out_dir``."""
+              overheads: list[float] = list(DEFAULT_OVERHEADS), gpu_dir: str | Path | None = None,
+              stream_groups: int = 0) -> pd.DataFrame:
+    """Plan ``names`` in order; write ``tensile_plans.csv`` and ``.md`` into ``out_dir``
+    (``tensile_plans_streamed.*`` with ``stream_groups``)."""
     for name in names:
         get_model(name)                  # unknown names fail before any work
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if stream_groups < 0:
+        raise ValueError(f"stream_groups must be >= 0 (0: not streamed), got {stream_groups}")
     if not overheads or any(not 0 <= mo for mo in overheads):
         raise ValueError(f"max_overhead values must be fractions >= 0, got {overheads}")
     gpu = Path(gpu_dir) if gpu_dir is not None else None
@@ -141,16 +153,18 @@ def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
     bar = tqdm(names, desc="TENSILE plans", unit="model")
     for name in bar:
         bar.set_postfix_str(name)
-        rows.extend(plan_model(name, batch_size, overheads, gpu))
+        rows.extend(plan_model(name, batch_size, overheads, gpu, stream_groups))
     df = pd.DataFrame([{**r, **env} for r in rows], columns=COLUMNS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out / "tensile_plans.csv", index=False)
-    shown = df[["model", "batch_size", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
+    stem = "tensile_plans_streamed" if stream_groups else "tensile_plans"
+    df.to_csv(out / f"{stem}.csv", index=False)
+    shown = df[["model", "batch_size", "stream_optimizer", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
                 "planned_msr", "est_eor", "swaps", "recomputes", "with_in_place", "rebuilt_first",
                 "on_scratch", "status"]]
-    (out / "tensile_plans.md").write_text(
-        "# TENSILE plans of captured steps, worked out on the CPU\n\n"
+    streamed = (f" with the optimizer streamed ({stream_groups} groups)" if stream_groups else "")
+    (out / f"{stem}.md").write_text(
+        f"# TENSILE plans of captured steps{streamed}, worked out on the CPU\n\n"
         f"Written by `python -m experiments.tensile_plans` (commit {env['commit']}, {env['date']}, "
         f"torch {env['torch']}). Promises of the planner, not measurements: see the module "
         "docstring.\n\n" + shown.to_markdown(index=False) + "\n")
@@ -168,17 +182,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="results/<gpu>/ whose tensile_graph rows give step time and bandwidths")
     parser.add_argument("--results", default="results", help="the results folder")
     parser.add_argument("--out", default="results/analysis", help="output folder")
+    parser.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
+                        help="record the step with tensile.stream_optimizer in GROUPS groups "
+                             "(default 0: not)")
     args = parser.parse_args(argv)
     names = model_names(parser, args.models)
     try:
         overheads = [float(x) for x in args.max_overhead.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--max-overhead takes comma-separated numbers, got {args.max_overhead!r}")
-    if args.batch_size < 1 or not overheads or min(overheads) < 0:
-        parser.error(f"--batch-size must be >= 1 and --max-overhead values >= 0, got "
-                     f"{args.batch_size} and {args.max_overhead!r}")
-    df = run_plans(names, args.out, args.batch_size, overheads, Path(args.results) / args.gpu)
-    say_written(df, Path(args.out) / "tensile_plans.csv")
+    if args.batch_size < 1 or not overheads or min(overheads) < 0 or args.stream_optimizer < 0:
+        parser.error(f"--batch-size must be >= 1, --max-overhead values and --stream-optimizer "
+                     f">= 0, got {args.batch_size}, {args.max_overhead!r} and {args.stream_optimizer}")
+    df = run_plans(names, args.out, args.batch_size, overheads, Path(args.results) / args.gpu,
+                   args.stream_optimizer)
+    stem = "tensile_plans_streamed" if args.stream_optimizer else "tensile_plans"
+    say_written(df, Path(args.out) / f"{stem}.csv")
     return 0
 
 

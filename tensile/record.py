@@ -300,6 +300,14 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         for h in handles:
             h.remove()
 
+    streamed = getattr(optimizer, "_tensile_streamed", None)   # tensile.streamed
+    if streamed is not None:
+        # Its host regions are host memory: a CUDA recording never sees them, a CPU one
+        # (simulation) takes them for device tensors. They weigh nothing on the device.
+        host = {rec.ids.lookup(g.host) for g in streamed.groups if g.host is not None} - {None}
+        for n in rec.nodes:
+            for sid in host & n.storage_bytes.keys():
+                n.storage_bytes[sid] = 0
     graph = TaskGraph(nodes=rec.nodes, edges=sorted(rec.deps.edges), device=device_type)
     roles, param_names, opt_keys = _roles(rec, model, optimizer, batch, loss_fn)
     graph.params = sorted(s for s, r in roles.items() if r in ("param", "buffer"))

@@ -70,6 +70,25 @@ def test_plans_of_a_recorded_step_are_rows_and_a_table(tmp_path):
     assert list(table["paper_msr"]) == [0.5, 0.5] and "rebuilt_first" in table
 
 
+def test_a_streamed_optimizer_lowers_the_planned_peak(tmp_path):
+    """Recorded with tensile.stream_optimizer, the step has no Adam moments on the device and
+    each group's gradients die in backward: the vanilla peak and the plan drop with them."""
+    plain = tensile_plans.plan_model("mobilenet_v2", 1, [0.0], None)[0]
+    df = tensile_plans.run_plans(["mobilenet_v2"], tmp_path, batch_size=1, overheads=[0.0],
+                                 stream_groups=8)
+    (streamed,) = df.to_dict("records")
+    assert (tmp_path / "tensile_plans_streamed.csv").exists()
+    assert "optimizer streamed (8 groups)" in (tmp_path / "tensile_plans_streamed.md").read_text()
+    assert streamed["status"] == "ok" and streamed["stream_optimizer"] == 8
+    assert plain["stream_optimizer"] == 0
+    # MobileNetV2 at batch 1: its 3.5 M parameters' moments (27 MiB) weigh against few
+    # activations (CPU recording: 122.3 -> 107.8 MiB unplanned, 99.0 -> 63.8 planned)
+    from experiments.models import build_model
+    moments_mb = 2 * 4 * sum(p.numel() for p in build_model("mobilenet_v2").parameters()) / 2**20
+    assert streamed["vanilla_peak_mb"] < plain["vanilla_peak_mb"] - moments_mb / 4
+    assert streamed["planned_peak_mb"] < plain["planned_peak_mb"] - moments_mb / 2
+
+
 def test_without_gpu_rows_the_roofline_sets_the_step(tmp_path):
     (row,) = tensile_plans.plan_model("mobilenet_v2", 1, [0.1], None)
     assert row["status"] == "ok" and row["step_source"] == "roofline (no GPU row)"
@@ -83,7 +102,8 @@ def test_bad_input_is_refused_before_any_work(tmp_path, capsys):
         tensile_plans.run_plans(["mobilenet_v2"], tmp_path, overheads=[-0.1])
     for argv, match in ((["--max-overhead", "a,b"], "comma-separated numbers"),
                         (["--models", "nope"], "unknown or missing model names"),
-                        (["--batch-size", "0"], "--batch-size must be >= 1")):
+                        (["--batch-size", "0"], "--batch-size must be >= 1"),
+                        (["--stream-optimizer", "-1"], "--stream-optimizer >= 0")):
         with pytest.raises(SystemExit) as exc:
             tensile_plans.main([*argv, "--out", str(tmp_path)])
         assert exc.value.code == 2 and match in capsys.readouterr().err
