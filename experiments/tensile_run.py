@@ -101,6 +101,9 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(so, int) or isinstance(so, bool) or so < 0:
         raise ConfigError(f"experiment.stream_optimizer must be a number of parameter groups "
                           f">= 0 (0: off), got {so!r}")
+    pf = exp.get("stream_prefetch", 1)
+    if not isinstance(pf, int) or isinstance(pf, bool) or pf < 1:
+        raise ConfigError(f"experiment.stream_prefetch must be a number of groups >= 1, got {pf!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -171,6 +174,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
         if name == "tensile_graph" and exp.get("stream_optimizer", 0):
             knobs.append(f"stream_optimizer={int(exp.stream_optimizer)}")
+            if exp.get("stream_prefetch", 1) != 1:
+                knobs.append(f"stream_prefetch={int(exp.stream_prefetch)}")
         return f"{name}({','.join(knobs)})" if knobs else name
     return name
 
@@ -397,6 +402,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["budget"] = budget
         if name == "tensile_graph" and exp.get("stream_optimizer", 0):
             opts["stream_optimizer"] = int(exp.stream_optimizer)
+            opts["stream_prefetch"] = int(exp.get("stream_prefetch", 1))
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:

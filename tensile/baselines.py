@@ -27,7 +27,8 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   capturable optimizer; they take the host out of the step, so what the plan costs is
   what it costs the GPU (``tensile_graph`` against ``graph``). ``tensile_graph``'s option
   ``stream_optimizer=<groups>`` first installs :func:`tensile.stream_optimizer` (the update
-  in backward, Adam's state streamed from the host; 0: not);
+  in backward, Adam's state streamed from the host; 0: not; ``stream_prefetch``: its groups
+  copied in ahead);
 * ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
   built-in for ``tensile_graph`` (CUDA, capturable optimizer; refused for a model with
   dropout or other random ops, see :func:`random_ops`).
@@ -317,14 +318,15 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
-                   stream_optimizer: int = 0, **scheduler_kwargs) -> StepFn:
+                   stream_optimizer: int = 0, stream_prefetch: int = 1,
+                   **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     if stream_optimizer:   # the update in backward, state streamed from the host (groups)
-        streamed = tensile_stream_optimizer(optimizer, stream_optimizer)
+        streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch)
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)

@@ -16,12 +16,12 @@ every gradient of a group (``register_post_accumulate_grad_hook``), the optimize
 ``step`` runs on that group alone and its gradients are dropped. The group's state (every
 state tensor shaped like its parameter: Adam's two moments) lives in one pinned host region
 between steps. A group's region is copied to a device buffer on a host→device stream while
-backward works towards it (issued when the group before it updates; the first group's when
-backward's first gradient arrives), the compute stream waits for that copy, the update runs
+backward works towards it (issued when the group ``prefetch`` groups before it updates; the
+first ones' when backward's first gradient arrives), the compute stream waits for that copy, the update runs
 on the buffer, and a device→host stream copies it back while backward goes on. The buffer is
 dropped at the next group's update, after the compute stream waited for its copy-out (no
 ``record_stream``, which a CUDA graph capture would defer to the capture's end). So at most
-three groups' state (the next one coming in, the one updating, the last one going out) and
+``prefetch + 2`` groups' state (those coming in, the one updating, the last one going out) and
 about one group's gradients are on the device at a time, and the copies run beside
 backward's kernels.
 
@@ -63,10 +63,12 @@ class _Group:
     out_done: object = None
 
 
-def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16) -> "StreamedOptimizer":
+def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
+                     prefetch: int = 1) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
-    state in host memory (see the module notes). Returns the handle; ``.remove()`` undoes it."""
-    return StreamedOptimizer(optimizer, groups)
+    state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
+    of the group updating. Returns the handle; ``.remove()`` undoes it."""
+    return StreamedOptimizer(optimizer, groups, prefetch)
 
 
 class StreamedOptimizer:
@@ -76,7 +78,7 @@ class StreamedOptimizer:
     those left to ``step()`` (a parameter without a gradient in that step, say).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 1) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -85,6 +87,8 @@ class StreamedOptimizer:
             raise ValueError("this optimizer is streamed already")
         if not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch: expected an int >= 1 (groups copied in ahead), got {prefetch!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -94,6 +98,7 @@ class StreamedOptimizer:
         self.optimizer = optimizer
         self.device = params[0].device
         self.cuda = self.device.type == "cuda"
+        self.prefetch = prefetch
         self.groups = _split(params[::-1], groups)
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self.updates_in_backward = 0
@@ -182,7 +187,8 @@ class StreamedOptimizer:
     def _begin(self) -> None:
         self._in_step = True
         self._ready, self._done = {}, set()
-        self._bring_in(0)
+        for g in range(self.prefetch):
+            self._bring_in(g)
 
     def _bring_in(self, g: int) -> None:
         """Issue the copy of group ``g``'s state to a fresh device buffer."""
@@ -207,8 +213,8 @@ class StreamedOptimizer:
     def _update(self, g: int) -> None:
         """Group ``g``'s update on its streamed-in state; the state goes back to the host."""
         grp = self.groups[g]
-        self._bring_in(g)                  # not issued yet (groups out of order): now
-        self._bring_in(g + 1)              # the next group's copy runs beside backward
+        for ahead in range(self.prefetch + 1):   # this group's copy if not issued yet (groups
+            self._bring_in(g + ahead)            # out of order), the next ones' beside backward
         opt, state = self.optimizer, self.optimizer.state
         if grp.device is not None:
             if self.cuda:

@@ -189,6 +189,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
+    (["experiment.stream_prefetch=0"], r"stream_prefetch must be a number of groups >= 1, got 0"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -284,6 +285,10 @@ def test_setting_and_label_name_what_changes_the_measurement():
     assert tensile_run.method_label("tensile", so) == "tensile"     # tensile_graph's option only
     assert tensile_run._method_opts("tensile_graph", so, "cuda", None, None, {})["stream_optimizer"] == 16
     assert "stream_optimizer" not in tensile_run._method_opts("tensile", so, "cuda", None, None, {})
+    pf = _compose(["experiment=tensile", "experiment.stream_optimizer=8",
+                   "experiment.stream_prefetch=3"]).experiment
+    assert tensile_run.method_label("tensile_graph", pf) == "tensile_graph(stream_optimizer=8,stream_prefetch=3)"
+    assert tensile_run._method_opts("tensile_graph", pf, "cuda", None, None, {})["stream_prefetch"] == 3
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"

@@ -49,11 +49,11 @@ def assert_same_training(m0, o0, model, opt):
         assert torch.equal(a, b)
 
 
-def streamed_model(groups: int, unused: bool = False, **adam):
+def streamed_model(groups: int, unused: bool = False, prefetch: int = 1, **adam):
     """A fresh model and its Adam, streamed in ``groups`` groups."""
     model = make_model(unused)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
-    return model, opt, tensile.stream_optimizer(opt, groups=groups)
+    return model, opt, tensile.stream_optimizer(opt, groups=groups, prefetch=prefetch)
 
 
 def train_plain(data, **adam):
@@ -64,10 +64,11 @@ def train_plain(data, **adam):
     return model, opt
 
 
-def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it():
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it(prefetch):
     data = batches(6)
     m0, o0 = train_plain(data, weight_decay=0.01)
-    model, opt, streamed = streamed_model(3, weight_decay=0.01)
+    model, opt, streamed = streamed_model(3, prefetch=prefetch, weight_decay=0.01)
     for b in data:
         training_step(model, opt, b, LOSS)
     assert len(streamed.groups) == 3
@@ -142,6 +143,8 @@ def test_bad_groups_twice_and_a_closure_are_refused():
     opt = torch.optim.Adam(make_model().parameters())
     with pytest.raises(ValueError, match="groups: expected an int >= 1, got 0"):
         tensile.stream_optimizer(opt, groups=0)
+    with pytest.raises(ValueError, match=r"prefetch: expected an int >= 1 \(groups copied in ahead\), got 0"):
+        tensile.stream_optimizer(opt, prefetch=0)
     tensile.stream_optimizer(opt)
     with pytest.raises(ValueError, match="streamed already"):
         tensile.stream_optimizer(opt)
@@ -169,3 +172,17 @@ def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
     assert sched.plan.swaps and sched.runner.stats.swap_ins > 0
     assert streamed.updates_in_backward == 3 * len(data)      # the recording's step, then 7
     assert_same_training(m0, o0, model, opt)
+
+
+def test_more_prefetch_holds_more_state_on_the_device():
+    """``prefetch`` groups come in ahead of the one updating: with all of them ahead, all the
+    moments are on the device at backward's start (the recording's memory says so)."""
+    peaks = {}
+    for prefetch in (1, 4):
+        model, opt, streamed = streamed_model(4, prefetch=prefetch)
+        data = batches(2)
+        training_step(model, opt, data[0], LOSS)            # creates the state
+        rec = tensile.record_step(model, opt, data[1], LOSS)
+        peaks[prefetch] = int(rec.timeline([1.0] * len(rec.graph.nodes)).vanilla_curve().max())
+    moments = 2 * sum(p.numel() * p.element_size() for p in make_model().parameters())
+    assert peaks[4] - peaks[1] >= moments / 4
