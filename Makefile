@@ -32,6 +32,7 @@ reproduce: venv
 analysis: venv
 	$(PY) -m experiments.analysis
 	$(PY) -m experiments.tensile_plans
+	$(PY) -m experiments.tensile_plans --stream-optimizer 16 --max-overhead 0,0.1,0.3
 
 report: venv
 	$(PY) -m experiments.report

@@ -29,7 +29,7 @@ RESULTS = REPO_ROOT / "results"
 
 # conf/sweep/<name>.yaml, in the order they run.
 GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "paper_training",
-              "training_whole_step", "tensile_single"]
+              "training_whole_step", "tensile_single", "tensile_captured", "tensile_streamed"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
 # backends (which record "unavailable" rows with their reason).
 CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",
@@ -61,15 +61,17 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
     report = ("report from the raw rows", [sys.executable, "-m", "experiments.report",
                                            "--results", str(RESULTS)])
 
-    def tensile_plans(gpu: str) -> tuple[str, list[str]]:
-        return (f"TENSILE plans of captured steps, worked out on the CPU (step times of {gpu})",
+    def tensile_plans(gpu: str, streamed: bool = False) -> tuple[str, list[str]]:
+        what = "with the optimizer streamed, " if streamed else ""
+        extra = ["--stream-optimizer", "16", "--max-overhead", "0,0.1,0.3"] if streamed else []
+        return (f"TENSILE plans of captured steps, {what}worked out on the CPU (step times of {gpu})",
                 [sys.executable, "-m", "experiments.tensile_plans", "--gpu", gpu,
-                 "--results", str(RESULTS), "--out", str(RESULTS / "analysis")])
+                 "--results", str(RESULTS), "--out", str(RESULTS / "analysis"), *extra])
     if cuda:
         from experiments.env import gpu_slug
         steps = [analysis]
         steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
-        steps.append(tensile_plans(gpu_slug()))
+        steps += [tensile_plans(gpu_slug()), tensile_plans(gpu_slug(), streamed=True)]
         steps += [(f"TENSILE, several jobs: {' '.join(args)}",
                    [sys.executable, "-m", "experiments.tensile_multi", *args])
                   for args in TENSILE_MULTI]
@@ -81,8 +83,8 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
             steps.append((f"profiler trace of {TRACE_MODEL} (per-stream timeline)",
                           _app(f"model={TRACE_MODEL}", "backends=[nimble]", "trace=true", "redo=true")))
         return steps + [report], []
-    steps = [analysis, tensile_plans("h200"), ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)),
-             report]
+    steps = [analysis, tensile_plans("h200"), tensile_plans("h200", streamed=True),
+             ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")
