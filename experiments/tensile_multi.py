@@ -185,6 +185,7 @@ class Options:
     redo: bool = False
     arrive_every: int = 5
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
+    stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -210,6 +211,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"mem={opts.memory_gb:g}GiB")
     if opts.captured:
         parts.append("captured")
+    if opts.stream_optimizer:
+        parts.append(f"stream_optimizer={opts.stream_optimizer}")
     return "".join("," + p for p in parts)
 
 
@@ -400,7 +403,7 @@ def run_job(p: dict) -> dict:
 
     from experiments import models
     from experiments.tensile_run import _drop_aux_head, classification_loss
-    from tensile import Scheduler, training_step
+    from tensile import Scheduler, stream_optimizer, training_step
 
     cuda = p["device"] == "cuda"
     cmds = _Commands()
@@ -424,6 +427,8 @@ def run_job(p: dict) -> dict:
     outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
     sched = None
     if p["phase"] == "tensile":
+        if p.get("stream_optimizer"):   # the update in backward, Adam's moments on the host
+            stream_optimizer(opt, groups=p["stream_optimizer"])
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0},
@@ -678,7 +683,8 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "until_stop": job.until_stop, "barrier": setting.arrive_every is None,
             "phase": phase, "device": opts.device, "batch": opts.batch, "warmup": opts.warmup,
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
-            "socket": None if sock is None else str(sock), "captured": opts.captured}
+            "socket": None if sock is None else str(sock), "captured": opts.captured,
+            "stream_optimizer": opts.stream_optimizer}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -1248,6 +1254,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--captured", action="store_true",
                     help="every job's step captured in a CUDA graph (vanilla and TENSILE; "
                          "TENSILE's jobs re-capture when a new plan comes; cuda only)")
+    ap.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
+                    help="TENSILE's jobs update in backward with Adam's state streamed from "
+                         "host memory (tensile.stream_optimizer) in GROUPS groups (default 0: not)")
     ap.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)   # a job process
     ap.add_argument("--probe", choices=("cuda", "cpu"), default=None, help=argparse.SUPPRESS)
     return ap
@@ -1285,6 +1294,9 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
         if importlib.util.find_spec("pynvml") is None:
             ap.error("--device cuda samples GPU memory through NVML: install nvidia-ml-py "
                      "(the pynvml module)")
+    if args.stream_optimizer < 0:
+        ap.error(f"--stream-optimizer must be a number of parameter groups >= 0 (0: not), got "
+                 f"{args.stream_optimizer}")
     if not 0 <= args.max_overhead < 1:
         ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
     budget = args.budget
@@ -1296,7 +1308,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
-                   captured=args.captured)
+                   captured=args.captured, stream_optimizer=args.stream_optimizer)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import math
 import sys
 import time
 import types
@@ -171,6 +172,22 @@ def test_dynamic_arrivals_and_an_early_leaver(tmp_path):
 
 # --------------------------------------------------------------------------- pieces
 
+def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
+    """--stream-optimizer: TENSILE's jobs update in backward with Adam's moments in host
+    memory; the setting says so and both phases finish."""
+    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "1",
+            "--stream-optimizer", "4", "--results-dir", str(tmp_path), *SMOKE]
+    assert tm.main(args) == 0
+    rows = {r["backend"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"mobilenet_v2-1", "GPU"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert r["mode"] == "copies:mobilenet_v2x1,img=32,stream_optimizer=4"
+    e = rows["mobilenet_v2-1"]["extra"]
+    assert e["measured_iters_tensile"] == e["measured_iters_vanilla"] > 0
+    assert math.isfinite(e["loss_tensile"])
+
+
 def test_settings_follow_the_scenario_rules():
     opts = tm.Options(warmup=5, iters=30, image_size=224, budget_bytes=2**30)
     copies = tm.build_settings("copies", ["vgg16", "resnet50"], [1, 3], opts)
@@ -305,6 +322,7 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index and --captured "
                                                     "are for --device cuda"]),
     (["--scenario", "copies", "--captured"], ["--captured are for --device cuda"]),
+    (["--scenario", "copies", "--stream-optimizer", "-1"], ["--stream-optimizer must be a number of parameter groups >= 0"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
