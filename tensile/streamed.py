@@ -17,8 +17,9 @@ every gradient of a group (``register_post_accumulate_grad_hook``), the optimize
 state tensor shaped like its parameter: Adam's two moments) lives in one pinned host region
 between steps. A group's region is copied to a device buffer on a host→device stream while
 backward works towards it (issued when the group ``prefetch`` groups before it updates; the
-first ones' when backward's first gradient arrives), the compute stream waits for that copy, the update runs
-on the buffer, and a device→host stream copies it back while backward goes on. The buffer is
+first ones' when backward's first gradient arrives), the compute stream waits for that copy,
+the update runs on the buffer, and a device→host stream copies it back while backward goes
+on. The buffer is
 dropped at the next group's update, after the compute stream waited for its copy-out (no
 ``record_stream``, which a CUDA graph capture would defer to the capture's end). So at most
 ``prefetch + 2`` groups' state (those coming in, the one updating, the last one going out) and
@@ -29,10 +30,15 @@ The update of each group is the optimizer's own, so an elementwise optimizer (Ad
 SGD, ...) trains exactly as with one ``step()`` after backward: bit for bit (tests). The host
 regions are written by asynchronous copies: ``optimizer.state_dict()`` waits for them (so do
 ``nimble.training.save_step_state`` and the Scheduler's snapshots); read ``optimizer.state``
-directly only after ``StreamedOptimizer.synchronize()``. Not for
-an update that needs all gradients at once: gradient clipping by the global norm, gradient
-accumulation over several backward passes, LBFGS. The first ``step()`` (the optimizer's
-state does not exist yet) runs as usual after backward and then moves the state to the host.
+directly only after ``StreamedOptimizer.synchronize()``. Not for an update that needs all
+gradients at once: gradient clipping by the global norm, gradient accumulation over several
+backward passes, LBFGS. The first ``step()`` (the optimizer's state does not exist yet) runs
+as usual after backward and then moves the state to the host.
+
+Measured (H200, b=16, planned and captured with TENSILE, against the captured vanilla step):
+MSR 0.745 / 0.682 / 0.680 on ResNet-50 / Inception-v4 / Inception-v3, where the captured step
+without it stopped at 0.56 / 0.45 / 0.45; the streaming alone costs 0.8–3.6 ms per step
+(``results/h200/README.md``, eleventh session).
 
 With a :class:`~tensile.Scheduler`, install it first: the step TENSILE records then has the
 updates and copies inside backward and no optimizer state on the device, and its plan and
