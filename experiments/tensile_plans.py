@@ -134,6 +134,11 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
     return rows
 
 
+def output_stem(stream_groups: int) -> str:
+    """The name (no suffix) of the files :func:`run_plans` writes."""
+    return "tensile_plans_streamed" if stream_groups else "tensile_plans"
+
+
 def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
               overheads: list[float] = list(DEFAULT_OVERHEADS), gpu_dir: str | Path | None = None,
               stream_groups: int = 0) -> pd.DataFrame:
@@ -157,7 +162,7 @@ def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
     df = pd.DataFrame([{**r, **env} for r in rows], columns=COLUMNS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "tensile_plans_streamed" if stream_groups else "tensile_plans"
+    stem = output_stem(stream_groups)
     df.to_csv(out / f"{stem}.csv", index=False)
     shown = df[["model", "batch_size", "stream_optimizer", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
                 "planned_msr", "est_eor", "swaps", "recomputes", "with_in_place", "rebuilt_first",
@@ -196,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                      f">= 0, got {args.batch_size}, {args.max_overhead!r} and {args.stream_optimizer}")
     df = run_plans(names, args.out, args.batch_size, overheads, Path(args.results) / args.gpu,
                    args.stream_optimizer)
-    stem = "tensile_plans_streamed" if args.stream_optimizer else "tensile_plans"
-    say_written(df, Path(args.out) / f"{stem}.csv")
+    say_written(df, Path(args.out) / f"{output_stem(args.stream_optimizer)}.csv")
     return 0
 
 

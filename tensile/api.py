@@ -49,6 +49,7 @@ from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
 from .step import training_step
+from .streamed import streamed_of
 from .timeline import AccessTimeline
 
 __all__ = ["Scheduler", "SchedulerReport", "resolve_budget", "gb_per_s"]
@@ -322,7 +323,7 @@ class Scheduler:
         init = self._init_pending
         measure = self._measure_next and not init
         start_s = time.monotonic()
-        if init and getattr(self.optimizer, "_tensile_streamed", None) is not None:
+        if init and streamed_of(self.optimizer) is not None:
             # A streamed optimizer (tensile.streamed) without state updates after backward,
             # not in it: this first step's backward differs from the recording, so it runs
             # unplanned (it creates the state, which then moves to the host).

@@ -36,6 +36,7 @@ from nimble.graph import OpNode, TaskGraph
 from nimble.trace import StorageDependencies, estimate_flops, mutated_args
 
 from .step import split_batch, training_step
+from .streamed import streamed_of
 from .timeline import AccessTimeline
 
 __all__ = ["Anchor", "Recording", "record_step", "autograd_nodes", "device_tensors", "is_counted",
@@ -300,7 +301,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         for h in handles:
             h.remove()
 
-    streamed = getattr(optimizer, "_tensile_streamed", None)   # tensile.streamed
+    streamed = streamed_of(optimizer)
     if streamed is not None:
         # Its host regions are host memory: a CUDA recording never sees them, a CPU one
         # (simulation) takes them for device tensors. They weigh nothing on the device.
@@ -354,7 +355,7 @@ def _roles(rec: _Recorder, model, optimizer, batch, loss_fn):
         # Re-pointing one parameter's .data would split it from its siblings' storage.
         del param_names[sid]
     all_params = [p for g in optimizer.param_groups for p in g["params"]]
-    streamed = getattr(optimizer, "_tensile_streamed", None)   # tensile.streamed
+    streamed = streamed_of(optimizer)
     for i, p in enumerate(all_params):
         for key, v in optimizer.state.get(p, {}).items():
             if streamed is not None and streamed.homes(p, key):

@@ -54,7 +54,7 @@ import torch
 
 from .streams import side_stream
 
-__all__ = ["StreamedOptimizer", "stream_optimizer"]
+__all__ = ["StreamedOptimizer", "stream_optimizer", "streamed_of"]
 
 
 @dataclass
@@ -67,6 +67,11 @@ class _Group:
     device: torch.Tensor | None = None    # uint8 buffer while streamed in
     in_done: object = None
     out_done: object = None
+
+
+def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
+    """The :class:`StreamedOptimizer` installed on ``optimizer``, or None."""
+    return getattr(optimizer, "_tensile_streamed", None)
 
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
@@ -89,7 +94,7 @@ class StreamedOptimizer:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("LBFGS updates from all gradients at once: it cannot update in backward")
-        if getattr(optimizer, "_tensile_streamed", None) is not None:
+        if streamed_of(optimizer) is not None:
             raise ValueError("this optimizer is streamed already")
         if not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
@@ -113,6 +118,7 @@ class StreamedOptimizer:
         self._done: set[int] = set()          # groups updated this step
         self._pending: list[int] = []         # groups whose device buffer is still held
         self._in_step = False
+        self._new_state = False               # an update this step created state on the device
         self._original = {name: getattr(optimizer, name)
                           for name in ("step", "load_state_dict", "state_dict")}
         optimizer.step = types.MethodType(_streamed_step, optimizer)
@@ -227,6 +233,8 @@ class StreamedOptimizer:
                 torch.cuda.current_stream(self.device).wait_event(grp.in_done)
             for p, key, off, n in grp.keys:
                 state[p][key] = _view(grp.device, off, state[p][key])
+        # a parameter updated for the first time gets its state now, on the device
+        self._new_state |= any(p.grad is not None and not state.get(p) for p in grp.params)
         saved = opt.param_groups
         opt.param_groups = _subgroups(saved, grp.params)
         try:
@@ -272,10 +280,9 @@ class StreamedOptimizer:
         if capturing:   # events recorded in a capture mean nothing outside it
             for grp in self.groups:
                 grp.in_done = grp.out_done = None
-        elif any(_streamed_key(p, k, v) and v.device.type != "cpu"
-                 for g in self.groups for p in g.params
-                 for k, v in self.optimizer.state.get(p, {}).items()):
+        elif self._new_state:
             self.home_state()   # a parameter's first update created its state on the device
+            self._new_state = False
 
 
 def _streamed_step(optimizer, closure=None):

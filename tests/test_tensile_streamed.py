@@ -186,3 +186,30 @@ def test_more_prefetch_holds_more_state_on_the_device():
         peaks[prefetch] = int(rec.timeline([1.0] * len(rec.graph.nodes)).vanilla_curve().max())
     moments = 2 * sum(p.numel() * p.element_size() for p in make_model().parameters())
     assert peaks[4] - peaks[1] >= moments / 4
+
+
+def test_state_a_later_first_update_creates_moves_to_the_host_too():
+    """A parameter whose first gradient comes after the state exists (a branch used from the
+    third step on): its state is created on the device by that update, then homed."""
+    class LateBranch(WithSpare):
+        use_spare = False
+
+        def forward(self, x):
+            out = self.body(x)
+            return out + self.spare(out[:, :4]).sum() if self.use_spare else out
+
+    def make(opt_cls=torch.optim.Adam):
+        model = LateBranch(make_model())
+        return model, opt_cls(model.parameters(), lr=1e-2)
+
+    data = batches(5)
+    m0, o0 = make()
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=3)
+    for i, b in enumerate(data):
+        m0.use_spare = model.use_spare = i >= 2
+        training_step(m0, o0, b, LOSS)
+        training_step(model, opt, b, LOSS)
+        if i == 2:
+            assert streamed.homes(model.spare.weight, "exp_avg")
+    assert_same_training(m0, o0, model, opt)
