@@ -482,7 +482,8 @@ def tensile_plan_check(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
-    """``metrics`` with every captured row (``tensile_graph(...)``, ``checkpoint_graph``)
+    """``metrics`` with every captured row (``tensile_graph(...)``, ``streamed_graph(...)``,
+    ``checkpoint_graph``)
     judged against the captured vanilla step: its EOR becomes ``eor_vs_graph`` (empty
     without a ``graph`` row), its MSR the lower of ``msr`` (against the eager vanilla step)
     and ``msr_vs_graph``, and its method reads "... vs graph".
@@ -493,7 +494,7 @@ def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
     step is measured before any capture.
     """
     m = metrics.copy()
-    captured = m["method"].str.match(r"(tensile|checkpoint)_graph($|\()").to_numpy()
+    captured = m["method"].str.match(r"(tensile|checkpoint|streamed)_graph($|\()").to_numpy()
     msr = pd.to_numeric(m["msr"], errors="coerce")
     msr_graph = pd.to_numeric(m["msr_vs_graph"], errors="coerce")
     m["msr"] = np.where(captured, np.fmin(msr, msr_graph).where(msr_graph.notna()), msr)
@@ -512,9 +513,10 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
         mine = metrics[(metrics["model"] == p["model"]) & (metrics["batch_size"] == p["batch_size"])
                        & (metrics["mode"] == "whole-step")]
         # TENSILE's variants: tensile, tensile(max_overhead=...) against eager vanilla, and
-        # tensile_graph(...) against the captured vanilla step (the same mode: host out of both)
+        # tensile_graph(...) and streamed_graph(...) (the streamed optimizer alone) against
+        # the captured vanilla step (the same mode: host out of both)
         ours = _captured_against_graph(mine)
-        ours = ours[ours["method"].str.match(r"tensile($|\()|tensile_graph")
+        ours = ours[ours["method"].str.match(r"tensile($|\()|(tensile|streamed)_graph")
                     & ours["msr"].notna() & ours["eor"].notna()]
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
                 "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
@@ -533,7 +535,7 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
                 best = builtins.loc[builtins["mean_ms"].idxmin()]
                 line["vs best built-in"] = f"{best['mean_ms'] / t['mean_ms']:.2f}x ({best['method']})"
                 # not like for like: say so (checkpoint_graph is the captured built-in)
-                captured_ours = t["method"].startswith("tensile_graph")
+                captured_ours = t["method"].startswith(("tensile_graph", "streamed_graph"))
                 captured_best = best["method"] == "checkpoint_graph"
                 if captured_ours and not captured_best:
                     line["vs best built-in"] += ", a captured step against an eager one"

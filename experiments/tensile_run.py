@@ -57,8 +57,10 @@ MB = 2**20
 EMULATED_HEADROOM = 0.9
 SCHEDULED = ("tensile", "vdnn", "vdnn_all", "capuchin")  # run on TENSILE's runtime
 # one CUDA graph per step: capturable optimizer, CUDA only
-GRAPHED = ("graph", "tensile_graph", "checkpoint_graph")
-AGAINST_GRAPH = ("tensile_graph", "checkpoint_graph")   # judged against graph too (*_vs_graph)
+GRAPHED = ("graph", "tensile_graph", "checkpoint_graph", "streamed_graph")
+# judged against graph too (*_vs_graph)
+AGAINST_GRAPH = ("tensile_graph", "checkpoint_graph", "streamed_graph")
+STREAMED = ("tensile_graph", "streamed_graph")   # take the stream_* options
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
 OPTIMIZERS = ("adam", "sgd")
@@ -78,6 +80,9 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"unknown method(s) {unknown}; valid: {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise ConfigError(f"experiment.methods lists a method twice: {methods}")
+    if "streamed_graph" in methods and not exp.get("stream_optimizer", 0):
+        raise ConfigError("method streamed_graph streams the optimizer: set "
+                          "experiment.stream_optimizer to a number of groups (16, say)")
     if exp.optimizer not in OPTIMIZERS:
         raise ConfigError(f"experiment.optimizer={exp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     warmup, iters, repeats = protocol(cfg)
@@ -104,6 +109,10 @@ def validate(cfg, models: dict) -> None:
     pf = exp.get("stream_prefetch", 1)
     if not isinstance(pf, int) or isinstance(pf, bool) or pf < 1:
         raise ConfigError(f"experiment.stream_prefetch must be a number of groups >= 1, got {pf!r}")
+    rs = exp.get("stream_resident", 0)
+    if not isinstance(rs, int) or isinstance(rs, bool) or rs < 0 or (so and rs >= so):
+        raise ConfigError(f"experiment.stream_resident must be a number of groups from 0 to "
+                          f"stream_optimizer - 1, got {rs!r} (stream_optimizer={so!r})")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -172,12 +181,30 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"max_overhead={exp.max_overhead:g}")
         if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
-        if name == "tensile_graph" and exp.get("stream_optimizer", 0):
-            knobs.append(f"stream_optimizer={int(exp.stream_optimizer)}")
-            if exp.get("stream_prefetch", 1) != 1:
-                knobs.append(f"stream_prefetch={int(exp.stream_prefetch)}")
+        knobs += stream_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
+    if name == "streamed_graph":
+        return f"{name}({','.join(stream_knobs(name, exp))})"
     return name
+
+
+def stream_opts(exp) -> dict[str, int]:
+    """``make_method``'s options of a streamed method (:func:`tensile.stream_optimizer`'s)."""
+    return {"stream_optimizer": int(exp.stream_optimizer),
+            "stream_prefetch": int(exp.get("stream_prefetch", 1)),
+            "stream_resident": int(exp.get("stream_resident", 0))}
+
+
+def stream_knobs(name: str, exp) -> list[str]:
+    """The ``stream_*`` options of a streamed method, as its label shows them."""
+    if name not in STREAMED or not exp.get("stream_optimizer", 0):
+        return []
+    knobs = [f"stream_optimizer={int(exp.stream_optimizer)}"]
+    if exp.get("stream_prefetch", 1) != 1:
+        knobs.append(f"stream_prefetch={int(exp.stream_prefetch)}")
+    if exp.get("stream_resident", 0):
+        knobs.append(f"stream_resident={int(exp.stream_resident)}")
+    return knobs
 
 
 # --------------------------------------------------------------------------- metrics
@@ -390,6 +417,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
         return {"layers_per_block": exp.layers_per_block}
     if name == "compile_budget":
         return {"activation_memory_budget": float(exp.activation_memory_budget)}
+    if name == "streamed_graph":
+        return stream_opts(exp)
     if name in RATED:
         opts: dict[str, Any] = {"simulate": device != "cuda", **rates}
         if name == "capuchin" and budget is None:
@@ -400,9 +429,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             budget = int(tensile_peak)
         if name in ("tensile", "capuchin", "tensile_graph"):
             opts["budget"] = budget
-        if name == "tensile_graph" and exp.get("stream_optimizer", 0):
-            opts["stream_optimizer"] = int(exp.stream_optimizer)
-            opts["stream_prefetch"] = int(exp.get("stream_prefetch", 1))
+        if name in STREAMED and exp.get("stream_optimizer", 0):
+            opts.update(stream_opts(exp))
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:

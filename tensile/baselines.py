@@ -28,7 +28,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   what it costs the GPU (``tensile_graph`` against ``graph``). ``tensile_graph``'s option
   ``stream_optimizer=<groups>`` first installs :func:`tensile.stream_optimizer` (the update
   in backward, Adam's state streamed from the host; 0: not; ``stream_prefetch``: its groups
-  copied in ahead);
+  copied in ahead; ``stream_resident``: its first groups whose state stays on the device);
+* ``streamed_graph``: the vanilla step captured with :func:`tensile.stream_optimizer`
+  installed and no plan: what the streaming alone saves and costs (same options);
 * ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
   built-in for ``tensile_graph`` (CUDA, capturable optimizer; refused for a model with
   dropout or other random ops, see :func:`random_ops`).
@@ -317,8 +319,19 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
     return StepFn("graph", lambda b: graph(*b), lambda: _graph_stats(graph))
 
 
+def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
+                    stream_prefetch: int = 1, stream_resident: int = 0) -> StepFn:
+    """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
+    and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
+    streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch,
+                                        stream_resident)
+    captured = _graph(model, optimizer, loss_fn, example_batch)
+    return StepFn("streamed_graph", captured.run,
+                  lambda: {**captured.stats(), "stream_groups": len(streamed.groups)})
+
+
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
-                   stream_optimizer: int = 0, stream_prefetch: int = 1,
+                   stream_optimizer: int = 0, stream_prefetch: int = 1, stream_resident: int = 0,
                    **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
@@ -326,7 +339,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     if stream_optimizer:   # the update in backward, state streamed from the host (groups)
-        streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch)
+        streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch,
+                                            stream_resident)
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
@@ -379,6 +393,7 @@ _BUILDERS: dict[str, Callable[..., StepFn]] = {
     "tensile": _tensile,
     "graph": _graph,
     "tensile_graph": _tensile_graph,
+    "streamed_graph": _streamed_graph,
     "checkpoint_graph": _checkpoint_graph,
     "vdnn": _policy("vdnn"),
     "vdnn_all": _policy("vdnn_all"),

@@ -15,16 +15,23 @@ of their order (the order backward makes their gradients). When backward has acc
 every gradient of a group (``register_post_accumulate_grad_hook``), the optimizer's own
 ``step`` runs on that group alone and its gradients are dropped. The group's state (every
 state tensor shaped like its parameter: Adam's two moments) lives in one pinned host region
-between steps. A group's region is copied to a device buffer on a host→device stream while
-backward works towards it (issued when the group ``prefetch`` groups before it updates; the
-first ones' when backward's first gradient arrives), the compute stream waits for that copy,
-the update runs on the buffer, and a device→host stream copies it back while backward goes
-on. The buffer is
-dropped at the next group's update, after the compute stream waited for its copy-out (no
-``record_stream``, which a CUDA graph capture would defer to the capture's end). So at most
-``prefetch + 2`` groups' state (those coming in, the one updating, the last one going out) and
-about one group's gradients are on the device at a time, and the copies run beside
-backward's kernels.
+between steps. During backward up to ``prefetch + 1`` device slots form a ring: a
+host→device stream copies the next groups' regions into free slots, the compute stream
+waits for a group's copy before its update, and a device→host stream copies the updated
+state back. A slot is free again once its copy-out is issued: the next copy-in into it waits,
+on the host→device stream, for that copy-out's event alone. So the compute stream does not
+wait for copies out and the copy streams never wait for backward's kernels, only for the
+update whose state they carry (no ``record_stream``, which a CUDA graph capture would defer
+to the capture's end). A slot is as large as the groups of about its size that come next; one
+far larger than every group still to come (VGG-16's first fully connected layer) is given
+back ``prefetch + 1`` updates after its copy-out was issued, the compute stream waiting for
+that copy then. The rest go when backward ends, after the compute stream waited for their
+last copies out. So about ``prefetch + 1`` groups' state and one group's gradients are on
+the device at a time, and the copies run beside backward's kernels.
+
+The first groups backward updates come in during backward's short start (ResNet-50's layer 4
+holds most of its weights), faster than two copy engines can carry them: ``resident=k``
+keeps the state of the first ``k`` groups on the device, trading memory for that wait.
 
 The update of each group is the optimizer's own, so an elementwise optimizer (Adam, AdamW,
 SGD, ...) trains exactly as with one ``step()`` after backward: bit for bit (tests). The host
@@ -63,10 +70,19 @@ class _Group:
 
     params: list[torch.nn.Parameter]
     keys: list[tuple[torch.nn.Parameter, str, int, int]] = field(default_factory=list)  # p, key, offset, bytes
-    host: torch.Tensor | None = None      # uint8, pinned on CUDA
-    device: torch.Tensor | None = None    # uint8 buffer while streamed in
-    in_done: object = None
-    out_done: object = None
+    host: torch.Tensor | None = None      # uint8, pinned on CUDA (None: resident or stateless)
+    slot: "_Slot | None" = None           # the device slot holding its state during the update
+    in_done: object = None                # CUDA event: the copy into the slot has landed
+
+
+@dataclass(eq=False)   # slots compare by identity (list.remove, ``in``)
+class _Slot:
+    """A device buffer of the ring; ``free_after``: the event of its last copy-out;
+    ``freed_at``: the update count when it last became free."""
+
+    device: torch.Tensor
+    free_after: object = None
+    freed_at: int = 0
 
 
 def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
@@ -75,11 +91,12 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
-                     prefetch: int = 1) -> "StreamedOptimizer":
+                     prefetch: int = 1, resident: int = 0) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
-    of the group updating. Returns the handle; ``.remove()`` undoes it."""
-    return StreamedOptimizer(optimizer, groups, prefetch)
+    of the group updating; the first ``resident`` groups backward updates keep their state on
+    the device. Returns the handle; ``.remove()`` undoes it."""
+    return StreamedOptimizer(optimizer, groups, prefetch, resident)
 
 
 class StreamedOptimizer:
@@ -89,7 +106,8 @@ class StreamedOptimizer:
     those left to ``step()`` (a parameter without a gradient in that step, say).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 1) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 1,
+                 resident: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -100,6 +118,9 @@ class StreamedOptimizer:
             raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch: expected an int >= 1 (groups copied in ahead), got {prefetch!r}")
+        if not isinstance(resident, int) or not 0 <= resident < groups:
+            raise ValueError(f"resident: expected an int from 0 to groups - 1 = {groups - 1} "
+                             f"(groups whose state stays on the device), got {resident!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -111,12 +132,18 @@ class StreamedOptimizer:
         self.cuda = self.device.type == "cuda"
         self.prefetch = prefetch
         self.groups = _split(params[::-1], groups)
+        self.resident = min(resident, len(self.groups) - 1)
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self.updates_in_backward = 0
         self.late_updates = 0
         self._ready: dict[int, int] = {}      # group -> gradients accumulated this step
         self._done: set[int] = set()          # groups updated this step
-        self._pending: list[int] = []         # groups whose device buffer is still held
+        self._slots: list[_Slot] = []          # the ring, during backward
+        self._free: list[_Slot] = []           # slots no group holds now
+        self._next_in = 0                     # the lowest group not brought in nor done
+        self._updates = 0                     # group updates this step
+        self._needs: list[int] = []           # each group's state bytes (0: not streamed)
+        self._still: list[int] = []           # the largest need from group i on
         self._in_step = False
         self._new_state = False               # an update this step created state on the device
         self._original = {name: getattr(optimizer, name)
@@ -161,7 +188,7 @@ class StreamedOptimizer:
         if self.cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the optimizer's state must be in host memory before a capture: "
                                "run one step first")
-        for g in self.groups:
+        for g in self.groups[self.resident:]:
             wanted = [(p, key) for p in g.params for key, v in self.optimizer.state.get(p, {}).items()
                       if _streamed_key(p, key, v)]
             if g.host is not None and wanted == [(p, k) for p, k, _, _ in g.keys] and \
@@ -197,42 +224,93 @@ class StreamedOptimizer:
             self.updates_in_backward += 1
 
     def _begin(self) -> None:
+        """Backward's first gradient: the first groups' state into the ring's slots."""
         self._in_step = True
-        self._ready, self._done = {}, set()
-        for g in range(self.prefetch):
-            self._bring_in(g)
+        self._ready, self._done, self._next_in, self._updates = {}, set(), 0, 0
+        self._needs = [g.host.numel() if g.host is not None else 0 for g in self.groups]
+        self._still = [max(self._needs[i:], default=0) for i in range(len(self._needs) + 1)]
+        self._fill()
 
-    def _bring_in(self, g: int) -> None:
-        """Issue the copy of group ``g``'s state to a fresh device buffer."""
-        if g >= len(self.groups) or g in self._done or self.groups[g].device is not None:
-            return
+    def _fill(self) -> None:
+        """Bring the next groups, in backward's order, into slots while there are some."""
+        while self._next_in < len(self.groups):
+            g = self._next_in
+            grp = self.groups[g]
+            if grp.host is None or g in self._done or grp.slot is not None:
+                self._next_in += 1
+                continue
+            slot = self._slot_for(g)
+            if slot is None:
+                return
+            self._next_in += 1
+            self._bring_in(g, slot)
+
+    def _oversized(self, slot: _Slot) -> bool:
+        """Far larger than any group still to come in (VGG-16's first fully connected layer)."""
+        return slot.device.numel() > 2 * max(self._still[self._next_in], 1)
+
+    def _slot_for(self, g: int) -> "_Slot | None":
+        """A free slot for group ``g``, a new one while the ring has fewer than ``prefetch + 1``
+        of fitting size, or None (wait for an update to free one)."""
+        need = self._needs[g]
+        fitting = [s for s in self._free if need <= s.device.numel() and not self._oversized(s)]
+        if fitting:
+            slot = min(fitting, key=lambda s: s.device.numel())
+            self._free.remove(slot)
+            return slot
+        active = [s for s in self._slots if not self._oversized(s)]
+        if len(active) >= self.prefetch + 1:
+            small = [s for s in self._free if s in active]
+            if not small:
+                return None
+            self._retire(small[0])   # too small for this group: a larger one instead
+        # as large as the coming groups of about this size (not a far larger one's)
+        window = [n for n in self._needs[g:g + self.prefetch + 1] if n <= 2 * need]
+        return self._new_slot(max(window))
+
+    def _new_slot(self, nbytes: int) -> _Slot:
+        slot = _Slot(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        if self.cuda:   # its memory may have been freed by compute-stream work still queued
+            side_stream(self.device, "h2d").wait_stream(torch.cuda.current_stream(self.device))
+        self._slots.append(slot)
+        return slot
+
+    def _retire(self, slot: _Slot) -> None:
+        """Give a free slot's memory back once its last copy-out is done."""
+        if self.cuda and slot.free_after is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.free_after)
+        self._slots.remove(slot)
+        if slot in self._free:
+            self._free.remove(slot)
+
+    def _bring_in(self, g: int, slot: _Slot) -> None:
+        """Issue the copy of group ``g``'s state into ``slot``."""
         grp = self.groups[g]
-        if grp.host is None:
-            return
-        grp.device = torch.empty_like(grp.host, device=self.device)
+        grp.slot = slot
+        dst = slot.device[:grp.host.numel()]
         if not self.cuda:
-            grp.device.copy_(grp.host)
+            dst.copy_(grp.host)
             return
-        compute, h2d = torch.cuda.current_stream(self.device), side_stream(self.device, "h2d")
-        h2d.wait_stream(compute)          # the buffer's memory may have just been freed on compute
-        if grp.out_done is not None and not torch.cuda.is_current_stream_capturing():
-            h2d.wait_event(grp.out_done)  # last step's copy-out of this region (eager steps)
+        h2d = side_stream(self.device, "h2d")
+        if slot.free_after is not None:
+            h2d.wait_event(slot.free_after)   # the slot's last group has gone out
         with torch.cuda.stream(h2d):
-            grp.device.copy_(grp.host, non_blocking=True)
+            dst.copy_(grp.host, non_blocking=True)
             grp.in_done = torch.cuda.Event()
             grp.in_done.record(h2d)
 
     def _update(self, g: int) -> None:
         """Group ``g``'s update on its streamed-in state; the state goes back to the host."""
         grp = self.groups[g]
-        for ahead in range(self.prefetch + 1):   # this group's copy if not issued yet (groups
-            self._bring_in(g + ahead)            # out of order), the next ones' beside backward
+        if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
+            self._bring_in(g, self._new_slot(grp.host.numel()))
         opt, state = self.optimizer, self.optimizer.state
-        if grp.device is not None:
+        slot = grp.slot
+        if slot is not None:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(grp.in_done)
             for p, key, off, n in grp.keys:
-                state[p][key] = _view(grp.device, off, state[p][key])
+                state[p][key] = _view(slot.device, off, state[p][key])
         # a parameter updated for the first time gets its state now, on the device
         self._new_state |= any(p.grad is not None and not state.get(p) for p in grp.params)
         saved = opt.param_groups
@@ -243,43 +321,48 @@ class StreamedOptimizer:
             opt.param_groups = saved
         for p in grp.params:
             p.grad = None
-        if grp.device is not None:
-            for p, key, off, n in grp.keys:
-                state[p][key] = _view(grp.host, off, state[p][key])
-            if self.cuda:
-                compute, d2h = torch.cuda.current_stream(self.device), side_stream(self.device, "d2h")
-                d2h.wait_stream(compute)
-                with torch.cuda.stream(d2h):
-                    grp.host.copy_(grp.device, non_blocking=True)
-                    grp.out_done = torch.cuda.Event()
-                    grp.out_done.record(d2h)
-            else:
-                grp.host.copy_(grp.device)
-            self._pending.append(g)
         self._done.add(g)
-        while len(self._pending) > 1:     # dropped at the next group's update: its copy-out ran
-            self._release(self._pending.pop(0))   # beside the backward work in between
-
-    def _release(self, g: int) -> None:
-        grp = self.groups[g]
-        if self.cuda and grp.out_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(grp.out_done)
-        grp.device = None
+        if slot is None:
+            return
+        for p, key, off, n in grp.keys:
+            state[p][key] = _view(grp.host, off, state[p][key])
+        src = slot.device[:grp.host.numel()]
+        if self.cuda:
+            compute, d2h = torch.cuda.current_stream(self.device), side_stream(self.device, "d2h")
+            d2h.wait_stream(compute)
+            with torch.cuda.stream(d2h):
+                grp.host.copy_(src, non_blocking=True)
+                slot.free_after = torch.cuda.Event()
+                slot.free_after.record(d2h)
+        else:
+            grp.host.copy_(src)
+        grp.slot = None
+        self._updates += 1
+        slot.freed_at = self._updates
+        self._free.append(slot)
+        for s in [s for s in self._free if self._oversized(s)
+                  and self._updates - s.freed_at >= self.prefetch + 1]:
+            self._retire(s)   # its copy-out had prefetch + 1 updates' time to finish
+        self._fill()
 
     def _finish(self) -> None:
         """After backward: update the groups backward did not complete (a parameter without
-        a gradient this step, or without state yet), drop every buffer."""
+        a gradient this step, or without state yet), then drop the slots once the compute
+        stream waited for their last copies out."""
         for g in range(len(self.groups)):
             if g not in self._done:
                 self._update(g)
                 self.late_updates += 1
-        for g in self._pending:
-            self._release(g)
-        self._pending, self._in_step = [], False
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.device)
+            for slot in self._slots:
+                if slot.free_after is not None:
+                    compute.wait_event(slot.free_after)
+        self._slots, self._free, self._in_step = [], [], False
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         if capturing:   # events recorded in a capture mean nothing outside it
             for grp in self.groups:
-                grp.in_done = grp.out_done = None
+                grp.in_done = None
         elif self._new_state:
             self.home_state()   # a parameter's first update created its state on the device
             self._new_state = False

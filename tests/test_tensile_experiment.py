@@ -190,6 +190,10 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
     (["experiment.stream_prefetch=0"], r"stream_prefetch must be a number of groups >= 1, got 0"),
+    (["experiment.methods=[vanilla,streamed_graph]"],
+     r"method streamed_graph streams the optimizer: set experiment.stream_optimizer"),
+    (["experiment.stream_optimizer=4", "experiment.stream_resident=4"],
+     r"stream_resident must be a number of groups from 0 to stream_optimizer - 1, got 4 \(stream_optimizer=4\)"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -289,6 +293,14 @@ def test_setting_and_label_name_what_changes_the_measurement():
                    "experiment.stream_prefetch=3"]).experiment
     assert tensile_run.method_label("tensile_graph", pf) == "tensile_graph(stream_optimizer=8,stream_prefetch=3)"
     assert tensile_run._method_opts("tensile_graph", pf, "cuda", None, None, {})["stream_prefetch"] == 3
+    rs = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                   "experiment.stream_resident=4"]).experiment
+    assert tensile_run.method_label("tensile_graph", rs) == "tensile_graph(stream_optimizer=16,stream_resident=4)"
+    assert tensile_run._method_opts("tensile_graph", rs, "cuda", None, None, {})["stream_resident"] == 4
+    # the streaming alone, captured without a plan: its label names the same knobs
+    assert tensile_run.method_label("streamed_graph", rs) == "streamed_graph(stream_optimizer=16,stream_resident=4)"
+    assert tensile_run._method_opts("streamed_graph", rs, "cuda", None, None, {}) == {
+        "stream_optimizer": 16, "stream_prefetch": 1, "stream_resident": 4}
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"

@@ -49,11 +49,12 @@ def assert_same_training(m0, o0, model, opt):
         assert torch.equal(a, b)
 
 
-def streamed_model(groups: int, unused: bool = False, prefetch: int = 1, **adam):
+def streamed_model(groups: int, unused: bool = False, prefetch: int = 1, resident: int = 0, **adam):
     """A fresh model and its Adam, streamed in ``groups`` groups."""
     model = make_model(unused)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
-    return model, opt, tensile.stream_optimizer(opt, groups=groups, prefetch=prefetch)
+    return model, opt, tensile.stream_optimizer(opt, groups=groups, prefetch=prefetch,
+                                                resident=resident)
 
 
 def train_plain(data, **adam):
@@ -213,3 +214,77 @@ def test_state_a_later_first_update_creates_moves_to_the_host_too():
         if i == 2:
             assert streamed.homes(model.spare.weight, "exp_avg")
     assert_same_training(m0, o0, model, opt)
+
+
+def test_resident_groups_keep_their_state_on_the_device_and_train_exactly():
+    """``resident=k``: the first k groups backward updates (the output side) keep their state
+    on the device, updated in backward without copies; the others stream; training is exact
+    and the recording holds the resident state's bytes through the step."""
+    data = batches(6)
+    m0, o0 = train_plain(data)
+    model, opt, streamed = streamed_model(4, resident=2)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    for i, g in enumerate(streamed.groups):
+        for p in g.params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert streamed.homes(p, key) == (i >= 2), (i, key)
+    assert streamed.updates_in_backward == 4 * (len(data) - 1)
+    resident_bytes = sum(2 * p.numel() * p.element_size() for g in streamed.groups[:2] for p in g.params)
+    starts = {}
+    for resident in (0, 2):
+        model, opt, _ = streamed_model(4, resident=resident)
+        training_step(model, opt, data[0], LOSS)
+        rec = tensile.record_step(model, opt, data[1], LOSS)
+        starts[resident] = int(rec.timeline([1.0] * len(rec.graph.nodes)).vanilla_curve()[0])
+    assert starts[2] - starts[0] == resident_bytes
+
+
+def test_the_ring_reuses_prefetch_plus_one_slots_and_copies_each_group_once():
+    """Six equal layers in six groups: during backward the state comes in through
+    ``prefetch + 1`` device slots, each reused in turn, and each group's state comes in once
+    and goes out once; training stays exact."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 16, generator=g), torch.randint(0, 16, (4,), generator=g)) for _ in range(4)]
+    m0, o0 = make()
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    for prefetch in (1, 2):
+        model, opt = make()
+        streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
+        for b in data[:-1]:
+            training_step(model, opt, b, LOSS)
+        rec = tensile.record_step(model, opt, data[-1], LOSS)
+        assert_same_training(m0, o0, model, opt)
+        copies = [n for n in rec.graph.nodes if n.phase == "backward" and n.name == "aten.copy_.default"]
+        assert len(copies) == 2 * len(streamed.groups) == 12
+        # the copies in write device slots (host regions count no device bytes)
+        slots = [sid for n in copies for sid in n.writes if n.storage_bytes[sid]]
+        assert len(slots) == 6 and len(set(slots)) == prefetch + 1
+        assert slots[:prefetch + 1] * 2 == slots[:2 * (prefetch + 1)]   # in turn
+
+
+def test_a_far_larger_first_group_does_not_size_the_slots_of_the_small_ones():
+    """VGG-16's shape: backward first updates two large layers, then many small ones. The
+    small groups' state comes in through slots of their own size, not the large ones'."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(8, 256), nn.Linear(256, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=1)
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 8, generator=g), torch.randint(0, 8, (4,), generator=g)) for _ in range(2)]
+    training_step(model, opt, data[0], LOSS)
+    rec = tensile.record_step(model, opt, data[1], LOSS)
+    needs = [grp.host.numel() for grp in streamed.groups]
+    copies = [n for n in rec.graph.nodes if n.phase == "backward" and n.name == "aten.copy_.default"]
+    slot_bytes = [n.storage_bytes[sid] for n in copies for sid in n.writes if n.storage_bytes[sid]]
+    assert len(slot_bytes) == len(needs)
+    large = max(needs)
+    for need, got in zip(needs, slot_bytes):
+        assert need <= got <= 2 * max(need, max(n for n in needs if n < large)), (needs, slot_bytes)
