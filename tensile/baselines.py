@@ -323,6 +323,9 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
                     stream_prefetch: int = 1, stream_resident: int = 0) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":   # said before the optimizer is changed
+        raise ValueError(f"streamed_graph captures a CUDA graph: it needs a CUDA model (model on {device})")
     streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch,
                                         stream_resident)
     captured = _graph(model, optimizer, loss_fn, example_batch)

@@ -329,6 +329,7 @@ def plan_jobs(
         st = PlanState(tl, d2h_bw, h2d_bw, copy_latency_ms)
         view = (lay.phases[jid], lay.periods[jid], lay.repeats[jid])
         st.d2h, st.h2d = _JobChannel(d2h, *view), _JobChannel(h2d, *view)
+        st.reserve_transfers()   # its own copies, on the shared channels now
         states[jid] = st
     failed: dict[str, set[tuple[int, int]]] = {jid: set() for jid in states}
 

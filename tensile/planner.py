@@ -24,7 +24,8 @@ alone or not) and the best plan is kept (:func:`plan`). ``max_overhead=0`` (the 
 minimises the peak at (simulated) zero extra time, as TENSILE does; a small allowance buys
 much more: recomputing cheap activations (batch norm and ReLU outputs)
 frees memory that copies could not move in time. Each direction is one channel whose busy
-intervals never overlap. Failed placements are remembered per (tensor, peak op): channels
+intervals never overlap; the step's own copies (a streamed optimizer's state,
+``AccessTimeline.transfers``) hold their intervals before any swap is placed. Failed placements are remembered per (tensor, peak op): channels
 only fill up, so a copy that did not fit once never fits later.
 """
 from __future__ import annotations
@@ -217,6 +218,24 @@ class PlanState:
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
+        self.reserve_transfers()
+
+    def reserve_transfers(self) -> None:
+        """Mark the step's own copies (``tl.transfers``: a streamed optimizer's state) busy on
+        their channels: each starts when its op is issued or when the channel's previous
+        one of them ends (a stream runs its copies in order) and takes bytes / bandwidth
+        plus the latency. The plan's copies then go around them. Call again after
+        replacing the channels (the joint planner does)."""
+        last = {"h2d": 0.0, "d2h": 0.0}
+        cycle = self.tl.iteration_ms
+        for op, direction, nbytes in self.tl.transfers:
+            per_byte = self.h2d_ms_per_byte if direction == "h2d" else self.d2h_ms_per_byte
+            start = max(float(self.tl.start[op]), last[direction])
+            if start >= cycle - EPS:
+                continue   # the channel is busy to the iteration's end already
+            last[direction] = start + nbytes * per_byte + self.latency
+            # kept inside the iteration: the channel is full to its end either way
+            (self.h2d if direction == "h2d" else self.d2h).add(start, min(last[direction], cycle))
 
     # -------------------------------------------------------------- helpers
     def resident_candidates(self, p: int, min_bytes: int, pinned_too: bool = False) -> list[int]:

@@ -305,6 +305,7 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
                      "needed_by": None if t.needed_by is None else int(t.needed_by),
                      "held_to_end": bool(t.held_to_end)}
                     for t in tl.tensors.values()],
+        "transfers": [[op, direction, nbytes] for op, direction, nbytes in tl.transfers],
     }
 
 
@@ -313,10 +314,10 @@ _TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"
 
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
     """Rebuild a timeline sent by :func:`timeline_to_wire`; :class:`ProtocolError` if malformed."""
-    if not isinstance(data, dict) or set(data) != {"names", "phases", "random", "reads",
-                                                   "writes", "tensors"}:
-        _fail("timeline", "an object with names, phases, random, reads, writes, tensors",
-              sorted(data) if isinstance(data, dict) else data)
+    keys = {"names", "phases", "random", "reads", "writes", "tensors"}
+    if not isinstance(data, dict) or not keys <= set(data) <= keys | {"transfers"}:
+        _fail("timeline", "an object with names, phases, random, reads, writes, tensors "
+              "(and optionally transfers)", sorted(data) if isinstance(data, dict) else data)
     n = len(op_ms)
     for key in ("names", "phases", "random", "reads", "writes"):
         if not isinstance(data[key], list) or len(data[key]) != n:
@@ -355,6 +356,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
         sizes[sid], roles[sid], swappable[sid] = t["nbytes"], t["role"], t["swappable"]
         if t["needed_by"] is not None:
             needed_by[sid] = t["needed_by"]
+    if not isinstance(data.get("transfers", []), list):
+        _fail("timeline.transfers", "a list of [op, 'h2d' or 'd2h', bytes]", data["transfers"])
     touched = {s for key in ("reads", "writes") for ops in data[key] for s in ops}
     if touched != set(sizes):
         raise ProtocolError(
@@ -367,7 +370,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             ops, sizes, roles, swappable=swappable,
             needed_by={s: v for s, v in needed_by.items() if roles[s] != "activation"},
             random_ops=[k for k in range(n) if data["random"][k]],
-            held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]])
+            held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
+            transfers=[tuple(t) if isinstance(t, list) else t for t in data.get("transfers", [])])
     except ValueError as e:
         raise ProtocolError(f"timeline: {e}") from None
     return tl

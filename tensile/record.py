@@ -157,6 +157,8 @@ class Recording:
     grad_nodes: list[str] = field(default_factory=list)  # backward nodes' names, breadth-first
     # the gradients' storages: alive until zero_grad after optimizer.step() (training_step)
     held_to_end: set[int] = field(default_factory=set)
+    # the step's own host<->device copies: (op, "h2d" | "d2h", bytes) (a streamed optimizer)
+    transfers: list[tuple[int, str, int]] = field(default_factory=list)
 
     def timeline(self, op_ms: Sequence[float]) -> AccessTimeline:
         """The access timeline of this step with the given op durations."""
@@ -165,7 +167,8 @@ class Recording:
                           if r in ("param", "opt_state")})
         return AccessTimeline.from_graph(self.graph, op_ms, roles=self.roles,
                                          swappable=swappable, needed_by=self.needed_by,
-                                         random_ops=self.random_ops, held_to_end=self.held_to_end)
+                                         random_ops=self.random_ops, held_to_end=self.held_to_end,
+                                         transfers=self.transfers)
 
 
 class _Recorder(TorchDispatchMode):
@@ -182,6 +185,7 @@ class _Recorder(TorchDispatchMode):
         self.funcs: list = []
         self.first_read: set[int] = set()  # storages whose first access is a read
         self.random_ops: set[int] = set()  # ops that draw random numbers
+        self.transfers: list[tuple[int, str, int]] = []  # copies between host and device
         self.deps = StorageDependencies()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -213,6 +217,9 @@ class _Recorder(TorchDispatchMode):
             storage_bytes=sbytes, phase=self.phase))
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random_ops.add(k)
+        if func is torch.ops.aten.copy_.default and args[0].device.type != args[1].device.type:
+            self.transfers.append((k, "h2d" if args[0].device.type == self.device_type else "d2h",
+                                   args[1].nbytes))
         self.arg_sids.append(arg_ids)
         self.out_sids.append(out_ids)
         self.funcs.append(func)
@@ -309,6 +316,10 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         for n in rec.nodes:
             for sid in host & n.storage_bytes.keys():
                 n.storage_bytes[sid] = 0
+            if host and n.name == "aten.copy_.default" and host & set(n.reads + n.writes):
+                # a CPU recording's copies to and from them (a CUDA one saw the devices differ)
+                rec.transfers.append((n.index, "d2h" if host & set(n.writes) else "h2d",
+                                      n.bytes_read // 2))
     graph = TaskGraph(nodes=rec.nodes, edges=sorted(rec.deps.edges), device=device_type)
     roles, param_names, opt_keys = _roles(rec, model, optimizer, batch, loss_fn)
     graph.params = sorted(s for s, r in roles.items() if r in ("param", "buffer"))
@@ -333,7 +344,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
                      param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,
-                     held_to_end=grads,
+                     held_to_end=grads, transfers=sorted(rec.transfers),
                      funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
                      grad_nodes=grad_nodes)
 

@@ -98,11 +98,16 @@ class AccessTimeline:
     reads: list[list[int]]
     writes: list[list[int]]
     tensors: dict[int, TensorInfo]
+    # copies between host and device that the step makes itself (op index, "h2d" or "d2h",
+    # bytes): a streamed optimizer's state (:mod:`tensile.streamed`); the planner keeps its
+    # copy channels free for them
+    transfers: tuple[tuple[int, str, int], ...] = ()
     start: np.ndarray = field(init=False, repr=False)
     end: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.op_ms = np.asarray(self.op_ms, dtype=np.float64)
+        self.transfers = _checked_transfers(self.transfers, len(self.names))
         self.end = np.cumsum(self.op_ms)
         self.start = self.end - self.op_ms
 
@@ -174,7 +179,7 @@ class AccessTimeline:
         """The same accesses with new op durations (after a measurement)."""
         _check_op_ms(op_ms, self.num_ops)
         return AccessTimeline(self.names, self.phases, np.asarray(op_ms, dtype=np.float64),
-                              self.random, self.reads, self.writes, self.tensors)
+                              self.random, self.reads, self.writes, self.tensors, self.transfers)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -188,6 +193,7 @@ class AccessTimeline:
         needed_by: Mapping[int, int] | None = None,
         random_ops: Iterable[int] | None = None,
         held_to_end: Iterable[int] | None = None,
+        transfers: Iterable[tuple[int, str, int]] = (),
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -200,7 +206,8 @@ class AccessTimeline:
         ``held_to_end`` lists transient storages that stay allocated to the iteration's end
         after their last op: the gradients, which ``optimizer.zero_grad`` frees only after
         ``optimizer.step()`` (a model that freed them at their last read would promise
-        memory the step never gives back).
+        memory the step never gives back). ``transfers`` lists the step's own host↔device
+        copies as ``(op, "h2d" | "d2h", bytes)``.
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -250,7 +257,7 @@ class AccessTimeline:
             tensors[sid] = TensorInfo(sid=sid, nbytes=int(nbytes), role=role, accesses=acc,
                                       writes=wr.get(sid, []))
         tl = cls(names, phases, np.asarray(op_ms, dtype=np.float64),
-                 [k in rnd for k in range(n)], reads, writes, tensors)
+                 [k in rnd for k in range(n)], reads, writes, tensors, tuple(transfers))
 
         nb = dict(needed_by or {})
         for sid, t in tensors.items():
@@ -281,6 +288,7 @@ class AccessTimeline:
         needed_by: Mapping[int, int] | None = None,
         random_ops: Iterable[int] | None = None,
         held_to_end: Iterable[int] | None = None,
+        transfers: Iterable[tuple[int, str, int]] = (),
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -311,7 +319,21 @@ class AccessTimeline:
         auto = _graph_roles(graph)
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
-                            random_ops=random_ops, held_to_end=held_to_end)
+                            random_ops=random_ops, held_to_end=held_to_end, transfers=transfers)
+
+
+def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], ...]:
+    """``transfers`` as a tuple of ``(op, direction, bytes)``; ValueError names a bad entry."""
+    out = []
+    for k, t in enumerate(transfers):
+        ok = (isinstance(t, (tuple, list)) and len(t) == 3 and isinstance(t[0], (int, np.integer))
+              and 0 <= t[0] < num_ops and t[1] in ("h2d", "d2h")
+              and isinstance(t[2], (int, np.integer)) and t[2] >= 0)
+        if not ok:
+            raise ValueError(f"transfers[{k}]: expected (op index in [0, {num_ops}), 'h2d' or "
+                             f"'d2h', bytes >= 0), got {t!r}")
+        out.append((int(t[0]), str(t[1]), int(t[2])))
+    return tuple(out)
 
 
 def _graph_roles(graph) -> dict[int, str]:

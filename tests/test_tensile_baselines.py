@@ -88,7 +88,7 @@ def vanilla():
 
 # --------------------------------------------------------------------------- every method
 
-CAPTURED = ("graph", "tensile_graph", "checkpoint_graph")  # CUDA graphs: GPU tests
+CAPTURED = ("graph", "tensile_graph", "checkpoint_graph", "streamed_graph")  # CUDA graphs: GPU tests
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "compile_budget" and m not in CAPTURED])
@@ -103,6 +103,7 @@ def test_every_method_takes_three_finite_steps(name):
     ("checkpoint_graph", "a CUDA graph needs a CUDA model; the model is on cpu"),
     ("tensile_graph", r"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                       r"simulation \(model on cpu, simulate=None\)"),
+    ("streamed_graph", r"streamed_graph captures a CUDA graph: it needs a CUDA model \(model on cpu\)"),
 ])
 def test_captured_methods_say_they_need_cuda(name, match):
     model = make_cnn(dropout=0.0)   # checkpoint_graph refuses dropout first (below)
@@ -110,6 +111,7 @@ def test_captured_methods_say_they_need_cuda(name, match):
     opts = {k: v for k, v in RATES.items()} if name == "tensile_graph" else {}
     with pytest.raises(ValueError, match=match):
         make_method(name, model, opt, F.cross_entropy, batches(1)[0], **opts)
+    assert not hasattr(opt, "_tensile_streamed")   # refused before anything changed
 
 
 def test_captured_checkpointing_refuses_a_model_that_draws_random_numbers():

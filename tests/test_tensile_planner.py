@@ -307,6 +307,33 @@ def test_swap_out_early_and_in_late():
     check_plan(tl, p)
 
 
+def test_the_steps_own_copies_keep_their_channel_time_from_the_plans_swaps():
+    """A streamed optimizer's copy into the device while fc_bwd waits for relu's output: the
+    host→device channel is busy then, so relu's output comes back before that copy (or not
+    at all), never overlapping it; its copy out is unaffected."""
+    base = _simple()
+    busy_from = base.start[3]                        # the copy starts with the loss op...
+    streamed = AccessTimeline.from_ops(
+        [(n, ph, ms, r, w) for n, ph, ms, r, w in zip(base.names, base.phases, base.op_ms,
+                                                        base.reads, base.writes)],
+        {sid: t.nbytes for sid, t in base.tensors.items()},
+        {1: "input", 2: "param", 3: "param", 4: "opt_state"}, needed_by={2: 0, 3: 1},
+        transfers=[(3, "h2d", 30 * MB)])              # ...and takes 3 ms at 10 GB/s
+    kw = dict(d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    (free,) = [s for s in plan(base, **kw).swaps if s.sid == 11]
+    assert free.in_end_ms == pytest.approx(base.start[5])      # just in time, as before
+    p = plan(streamed, **kw)
+    busy_to = busy_from + 30 * MB / 1e10 * 1e3
+    for s in p.swaps:
+        assert s.in_end_ms <= busy_from + EPS or s.in_start_ms >= busy_to - EPS, s
+    check_plan(streamed, p)
+    with pytest.raises(ValueError, match=r"transfers\[0\]: expected \(op index in \[0, 10\), 'h2d' or 'd2h'"):
+        AccessTimeline.from_ops([(n, ph, ms, r, w) for n, ph, ms, r, w in zip(
+            base.names, base.phases, base.op_ms, base.reads, base.writes)],
+            {sid: t.nbytes for sid, t in base.tensors.items()}, transfers=[(10, "h2d", 1)])
+    assert streamed.with_op_times(streamed.op_ms * 2).transfers == ((3, "h2d", 30 * MB),)
+
+
 def test_a_swapped_activation_is_dropped_when_its_copy_out_should_end():
     """Not right after its last read: in a CUDA graph the release waits for the copy-out."""
     ops = [

@@ -176,6 +176,13 @@ def test_timeline_round_trip():
     assert back.reads == tl.reads and back.writes == tl.writes
     assert back.tensors == tl.tensors
     np.testing.assert_array_equal(back.start, tl.start)
+    # a streamed optimizer's own copies travel too (older clients send none)
+    streamed = AccessTimeline(tl.names, tl.phases, tl.op_ms, tl.random, tl.reads, tl.writes,
+                              tl.tensors, ((2, "h2d", 4096), (5, "d2h", 4096)))
+    assert timeline_from_wire(timeline_to_wire(streamed), list(tl.op_ms)).transfers == streamed.transfers
+    wire = timeline_to_wire(tl)
+    del wire["transfers"]
+    assert timeline_from_wire(wire, list(tl.op_ms)).transfers == ()
 
 
 @pytest.mark.parametrize("change, match", [
@@ -190,6 +197,9 @@ def test_timeline_round_trip():
     (lambda w: w["tensors"][0].__setitem__("role", "weights"), r"role"),
     (lambda w: w["tensors"][0].__setitem__("nbytes", -5), r"nbytes"),
     (lambda w: w.pop("random"), "an object with names"),
+    (lambda w: w.__setitem__("transfers", 3), r"timeline.transfers: expected a list of \[op"),
+    (lambda w: w.__setitem__("transfers", [[0, "sideways", 8]]), r"transfers\[0\]: expected \(op index"),
+    (lambda w: w.__setitem__("transfers", [[99, "h2d", 8]]), r"transfers\[0\]: expected \(op index"),
 ])
 def test_malformed_timelines_are_refused(change, match):
     tl = job_timeline()

@@ -268,6 +268,11 @@ def test_the_ring_reuses_prefetch_plus_one_slots_and_copies_each_group_once():
         slots = [sid for n in copies for sid in n.writes if n.storage_bytes[sid]]
         assert len(slots) == 6 and len(set(slots)) == prefetch + 1
         assert slots[:prefetch + 1] * 2 == slots[:2 * (prefetch + 1)]   # in turn
+        # the recording lists them as the step's own copies, for the planner's channels
+        assert rec.transfers == sorted((n.index, "h2d" if n.writes[0] in slots else "d2h",
+                                        streamed.groups[0].host.numel()) for n in copies)
+        assert [d for _, d, _ in rec.transfers].count("h2d") == 6
+        assert rec.timeline([1.0] * len(rec.graph.nodes)).transfers == tuple(rec.transfers)
 
 
 def test_a_far_larger_first_group_does_not_size_the_slots_of_the_small_ones():
