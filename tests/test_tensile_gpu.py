@@ -258,6 +258,26 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     assert streamed_peak <= vanilla_peak - moment_bytes / 2
 
 
+def test_op_times_of_a_streamed_step_add_up_to_its_replay():
+    """The per-op times a captured plan is made with (``step_op_times_ms``) add up to the
+    captured step's replay time when the optimizer is streamed: the copies on the
+    host→device stream take no time of their own there, their waits count in the update
+    that waits (with the timing event on the copy's stream the sum came to twice the step)."""
+    from tensile.graph import GraphStep
+    from tensile.optimes import step_op_times_ms
+    data = batches(2, batch=2, hw=8)          # weights 14 MB, Adam's moments 28 MB
+    model = make_cnn(width=256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    tensile.stream_optimizer(opt, groups=8)
+    training_step(model, opt, data[0], nn.functional.cross_entropy)   # the state, then homed
+    op_ms = step_op_times_ms(model, opt, data[1], nn.functional.cross_entropy)
+    graph = GraphStep(lambda b, capturing: training_step(model, opt, b, nn.functional.cross_entropy),
+                      data[1], model, opt)
+    replay = graph.replay_ms(20)
+    print(f"op times add up to {sum(op_ms):.3f} ms; the replay takes {replay:.3f} ms")
+    assert 0.7 * replay <= sum(op_ms) <= 1.3 * replay
+
+
 def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step():
     """A block released after its copy-out serves later allocations of the same capture,
     so the graph's peak falls with the plan (record_stream would defer every such block
