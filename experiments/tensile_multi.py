@@ -186,6 +186,8 @@ class Options:
     arrive_every: int = 5
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
+    stream_prefetch: int = 1            # ... its groups copied in ahead
+    stream_resident: int = 0            # ... its first groups whose state stays on the device
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -213,6 +215,10 @@ def _suffix(opts: Options) -> str:
         parts.append("captured")
     if opts.stream_optimizer:
         parts.append(f"stream_optimizer={opts.stream_optimizer}")
+        if opts.stream_prefetch != 1:
+            parts.append(f"stream_prefetch={opts.stream_prefetch}")
+        if opts.stream_resident:
+            parts.append(f"stream_resident={opts.stream_resident}")
     return "".join("," + p for p in parts)
 
 
@@ -428,7 +434,8 @@ def run_job(p: dict) -> dict:
     sched = None
     if p["phase"] == "tensile":
         if p.get("stream_optimizer"):   # the update in backward, Adam's moments on the host
-            stream_optimizer(opt, groups=p["stream_optimizer"])
+            stream_optimizer(opt, groups=p["stream_optimizer"], prefetch=p.get("stream_prefetch", 1),
+                             resident=p.get("stream_resident", 0))
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0},
@@ -684,7 +691,8 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "phase": phase, "device": opts.device, "batch": opts.batch, "warmup": opts.warmup,
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
             "socket": None if sock is None else str(sock), "captured": opts.captured,
-            "stream_optimizer": opts.stream_optimizer}
+            "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
+            "stream_resident": opts.stream_resident}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -1257,6 +1265,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
                     help="TENSILE's jobs update in backward with Adam's state streamed from "
                          "host memory (tensile.stream_optimizer) in GROUPS groups (default 0: not)")
+    ap.add_argument("--stream-prefetch", type=int, default=1, metavar="K",
+                    help="with --stream-optimizer: groups whose state is copied in ahead (default 1)")
+    ap.add_argument("--stream-resident", type=int, default=0, metavar="K",
+                    help="with --stream-optimizer: the first K groups backward updates keep their "
+                         "state on the device (default 0)")
     ap.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)   # a job process
     ap.add_argument("--probe", choices=("cuda", "cpu"), default=None, help=argparse.SUPPRESS)
     return ap
@@ -1297,6 +1310,11 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     if args.stream_optimizer < 0:
         ap.error(f"--stream-optimizer must be a number of parameter groups >= 0 (0: not), got "
                  f"{args.stream_optimizer}")
+    if args.stream_prefetch < 1:
+        ap.error(f"--stream-prefetch must be a number of groups >= 1, got {args.stream_prefetch}")
+    if not 0 <= args.stream_resident < max(args.stream_optimizer, 1):
+        ap.error(f"--stream-resident must be a number of groups from 0 to --stream-optimizer - 1, "
+                 f"got {args.stream_resident} (--stream-optimizer {args.stream_optimizer})")
     if not 0 <= args.max_overhead < 1:
         ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
     budget = args.budget
@@ -1308,7 +1326,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
-                   captured=args.captured, stream_optimizer=args.stream_optimizer)
+                   captured=args.captured, stream_optimizer=args.stream_optimizer,
+                   stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

@@ -176,13 +176,15 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     """--stream-optimizer: TENSILE's jobs update in backward with Adam's moments in host
     memory; the setting says so and both phases finish."""
     args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "1",
-            "--stream-optimizer", "4", "--results-dir", str(tmp_path), *SMOKE]
+            "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "1",
+            "--results-dir", str(tmp_path), *SMOKE]
     assert tm.main(args) == 0
     rows = {r["backend"]: r for r in _rows(tmp_path)}
     assert set(rows) == {"mobilenet_v2-1", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
-        assert r["mode"] == "copies:mobilenet_v2x1,img=32,stream_optimizer=4"
+        assert r["mode"] == ("copies:mobilenet_v2x1,img=32,stream_optimizer=4,stream_prefetch=2,"
+                             "stream_resident=1")
     e = rows["mobilenet_v2-1"]["extra"]
     assert e["measured_iters_tensile"] == e["measured_iters_vanilla"] > 0
     assert math.isfinite(e["loss_tensile"])
@@ -323,6 +325,10 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
                                                     "are for --device cuda"]),
     (["--scenario", "copies", "--captured"], ["--captured are for --device cuda"]),
     (["--scenario", "copies", "--stream-optimizer", "-1"], ["--stream-optimizer must be a number of parameter groups >= 0"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-prefetch", "0"],
+     ["--stream-prefetch must be a number of groups >= 1, got 0"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-resident", "4"],
+     ["--stream-resident must be a number of groups from 0 to --stream-optimizer - 1, got 4"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
