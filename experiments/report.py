@@ -999,7 +999,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "Target: MSR at least the authors', EOR at most half of theirs, and at least 1.2x the "
                    "throughput of the fastest PyTorch built-in whose peak is no higher. Of TENSILE's "
                    "variants (`tensile`, `tensile(max_overhead=…)`, and the captured "
-                   "`tensile_graph(…)`) the line shows one that meets the target if any, else the one "
+                   "`tensile_graph(…)` and `streamed_graph(…)`, the streamed optimizer without a "
+                   "plan) the line shows one that meets the target if any, else the one "
                    "that saves the most memory. A captured variant's EOR is against the captured "
                    "vanilla step (`graph`, the host out of both), its MSR the lower of those against "
                    "the eager and the captured vanilla step.", "",

@@ -339,13 +339,18 @@ def test_presets_cover_the_papers_workloads():
     assert {0.05, 0.08, 0.13, 0.15, 0.3} == {
         float(o) for o in str(captured.hydra.sweeper.params["experiment.max_overhead"]).split(",")}
     streamed = _compose(["+sweep=tensile_streamed"], hydra_cfg=True)
-    assert streamed.experiment.stream_optimizer == 16
+    assert (streamed.experiment.stream_optimizer, streamed.experiment.stream_prefetch,
+            streamed.experiment.stream_resident) == (16, 2, 4)
     assert list(streamed.experiment.methods) == ["vanilla", "graph", "tensile_graph"]
-    assert str(streamed.hydra.sweeper.params.model).split(",") == [m for m in PAPER_MODELS
-                                                                   if m != "densenet121"]
+    assert str(streamed.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    cost = _compose(["+sweep=streamed_cost"], hydra_cfg=True)
+    assert list(cost.experiment.methods) == ["graph", "streamed_graph"]
+    assert cost.experiment.stream_optimizer == 16
+    assert str(cost.hydra.sweeper.params["experiment.stream_prefetch"]) == "1,2,4"
+    assert str(cost.hydra.sweeper.params["experiment.stream_resident"]) == "0,4"
     budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
     assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16,24,48,80"
-    for cfg in (single, batch, budget, captured, streamed):
+    for cfg in (single, batch, budget, captured, streamed, cost):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
 
