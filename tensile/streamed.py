@@ -42,10 +42,12 @@ gradients at once: gradient clipping by the global norm, gradient accumulation o
 backward passes, LBFGS. The first ``step()`` (the optimizer's state does not exist yet) runs
 as usual after backward and then moves the state to the host.
 
-Measured (H200, b=16, planned and captured with TENSILE, against the captured vanilla step):
-MSR 0.745 / 0.682 / 0.680 on ResNet-50 / Inception-v4 / Inception-v3, where the captured step
-without it stopped at 0.56 / 0.45 / 0.45; the streaming alone costs 0.8–3.6 ms per step
-(``results/h200/README.md``, eleventh session).
+Measured (H200, b=16, against the captured vanilla step; ``results/h200/README.md``, twelfth
+session): the streaming alone costs ResNet-50 0.13 of its step (``prefetch=2, resident=4``;
+0.39 with one group ahead and none resident), Inception-v3 0.09, Inception-v4 0.05,
+DenseNet-121 0.04. Planned and captured with TENSILE: MSR 0.672 / 0.621 / 0.837 on ResNet-50
+/ Inception-v3 / DenseNet-121 at EOR 0.43 / 0.20 / 0.22, where the captured step without it
+stopped at 0.56 / 0.45 / 0.78.
 
 With a :class:`~tensile.Scheduler`, install it first: the step TENSILE records then has the
 updates and copies inside backward and no optimizer state on the device, and its plan and
