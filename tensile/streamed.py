@@ -45,9 +45,8 @@ as usual after backward and then moves the state to the host.
 Measured (H200, b=16, against the captured vanilla step; ``results/h200/README.md``, twelfth
 session): the streaming alone costs ResNet-50 0.13 of its step (``prefetch=2, resident=4``;
 0.39 with one group ahead and none resident), Inception-v3 0.09, Inception-v4 0.05,
-DenseNet-121 0.04. Planned and captured with TENSILE: MSR 0.672 / 0.621 / 0.837 on ResNet-50
-/ Inception-v3 / DenseNet-121 at EOR 0.43 / 0.20 / 0.22, where the captured step without it
-stopped at 0.56 / 0.45 / 0.78.
+DenseNet-121 0.04. Planned and captured with TENSILE: MSR 0.672 / 0.621 on ResNet-50 /
+Inception-v3 at EOR 0.43 / 0.20, where the captured step without it stopped at 0.56 / 0.45.
 
 With a :class:`~tensile.Scheduler`, install it first: the step TENSILE records then has the
 updates and copies inside backward and no optimizer state on the device, and its plan and
