@@ -186,7 +186,7 @@ class Options:
     arrive_every: int = 5
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
-    stream_prefetch: int = 1            # ... its groups copied in ahead
+    stream_prefetch: int = 2            # ... its groups copied in ahead
     stream_resident: int = 0            # ... its first groups whose state stays on the device
 
 
@@ -215,7 +215,7 @@ def _suffix(opts: Options) -> str:
         parts.append("captured")
     if opts.stream_optimizer:
         parts.append(f"stream_optimizer={opts.stream_optimizer}")
-        if opts.stream_prefetch != 1:
+        if opts.stream_prefetch != 1:   # named unless 1 (the only value before it was an option)
             parts.append(f"stream_prefetch={opts.stream_prefetch}")
         if opts.stream_resident:
             parts.append(f"stream_resident={opts.stream_resident}")
@@ -434,7 +434,7 @@ def run_job(p: dict) -> dict:
     sched = None
     if p["phase"] == "tensile":
         if p.get("stream_optimizer"):   # the update in backward, Adam's moments on the host
-            stream_optimizer(opt, groups=p["stream_optimizer"], prefetch=p.get("stream_prefetch", 1),
+            stream_optimizer(opt, groups=p["stream_optimizer"], prefetch=p.get("stream_prefetch", 2),
                              resident=p.get("stream_resident", 0))
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
@@ -1265,8 +1265,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
                     help="TENSILE's jobs update in backward with Adam's state streamed from "
                          "host memory (tensile.stream_optimizer) in GROUPS groups (default 0: not)")
-    ap.add_argument("--stream-prefetch", type=int, default=1, metavar="K",
-                    help="with --stream-optimizer: groups whose state is copied in ahead (default 1)")
+    ap.add_argument("--stream-prefetch", type=int, default=2, metavar="K",
+                    help="with --stream-optimizer: groups whose state is copied in ahead (default 2)")
     ap.add_argument("--stream-resident", type=int, default=0, metavar="K",
                     help="with --stream-optimizer: the first K groups backward updates keep their "
                          "state on the device (default 0)")

@@ -167,7 +167,8 @@ def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
     shown = df[["model", "batch_size", "stream_optimizer", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
                 "planned_msr", "est_eor", "swaps", "recomputes", "with_in_place", "rebuilt_first",
                 "on_scratch", "status"]]
-    streamed = (f" with the optimizer streamed ({stream_groups} groups)" if stream_groups else "")
+    streamed = (f" with the optimizer streamed ({stream_groups} groups, tensile.stream_optimizer's "
+                f"default prefetch and resident)" if stream_groups else "")
     (out / f"{stem}.md").write_text(
         f"# TENSILE plans of captured steps{streamed}, worked out on the CPU\n\n"
         f"Written by `python -m experiments.tensile_plans` (commit {env['commit']}, {env['date']}, "

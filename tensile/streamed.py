@@ -92,11 +92,13 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
-                     prefetch: int = 1, resident: int = 0) -> "StreamedOptimizer":
+                     prefetch: int = 2, resident: int = 0) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
-    of the group updating; the first ``resident`` groups backward updates keep their state on
-    the device. Returns the handle; ``.remove()`` undoes it."""
+    of the group updating (default 2: on the H200, ResNet-50's streaming cost 0.24 of its step
+    with 2, 0.39 with 1; one more group's state on the device); the first ``resident`` groups
+    backward updates keep their state on the device. Returns the handle; ``.remove()`` undoes
+    it."""
     return StreamedOptimizer(optimizer, groups, prefetch, resident)
 
 
@@ -107,7 +109,7 @@ class StreamedOptimizer:
     those left to ``step()`` (a parameter without a gradient in that step, say).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 1,
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 2,
                  resident: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -285,7 +285,11 @@ def test_setting_and_label_name_what_changes_the_measurement():
         "tensile_graph(max_overhead=0.08,copy_latency_ms=0.05)"
     assert tensile_run._method_opts("tensile_graph", lat, "cuda", None, None, {})["copy_latency_ms"] == 0.05
     so = _compose(["experiment=tensile", "experiment.stream_optimizer=16"]).experiment
-    assert tensile_run.method_label("tensile_graph", so) == "tensile_graph(stream_optimizer=16)"
+    # prefetch 2 is the default now; rows from before it was an option had 1, unnamed
+    assert tensile_run.method_label("tensile_graph", so) == "tensile_graph(stream_optimizer=16,stream_prefetch=2)"
+    one = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                    "experiment.stream_prefetch=1"]).experiment
+    assert tensile_run.method_label("tensile_graph", one) == "tensile_graph(stream_optimizer=16)"
     assert tensile_run.method_label("tensile", so) == "tensile"     # tensile_graph's option only
     assert tensile_run._method_opts("tensile_graph", so, "cuda", None, None, {})["stream_optimizer"] == 16
     assert "stream_optimizer" not in tensile_run._method_opts("tensile", so, "cuda", None, None, {})
@@ -295,12 +299,14 @@ def test_setting_and_label_name_what_changes_the_measurement():
     assert tensile_run._method_opts("tensile_graph", pf, "cuda", None, None, {})["stream_prefetch"] == 3
     rs = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
                    "experiment.stream_resident=4"]).experiment
-    assert tensile_run.method_label("tensile_graph", rs) == "tensile_graph(stream_optimizer=16,stream_resident=4)"
+    assert tensile_run.method_label("tensile_graph", rs) == \
+        "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("tensile_graph", rs, "cuda", None, None, {})["stream_resident"] == 4
     # the streaming alone, captured without a plan: its label names the same knobs
-    assert tensile_run.method_label("streamed_graph", rs) == "streamed_graph(stream_optimizer=16,stream_resident=4)"
+    assert tensile_run.method_label("streamed_graph", rs) == \
+        "streamed_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("streamed_graph", rs, "cuda", None, None, {}) == {
-        "stream_optimizer": 16, "stream_prefetch": 1, "stream_resident": 4}
+        "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4}
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"
