@@ -41,7 +41,7 @@ from tensile.estimate import estimate_op_times, scaled_op_times
 from tensile.planner import plan
 from tensile.record import record_step
 from tensile.step import training_step
-from tensile.streamed import stream_optimizer
+from tensile.streamed import DEFAULT_PREFETCH, stream_optimizer
 
 __all__ = ["COLUMNS", "captured_step", "plan_model", "run_plans"]
 
@@ -167,8 +167,8 @@ def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
     shown = df[["model", "batch_size", "stream_optimizer", "max_overhead", "step_ms", "vanilla_peak_mb", "planned_peak_mb",
                 "planned_msr", "est_eor", "swaps", "recomputes", "with_in_place", "rebuilt_first",
                 "on_scratch", "status"]]
-    streamed = (f" with the optimizer streamed ({stream_groups} groups, tensile.stream_optimizer's "
-                f"default prefetch and resident)" if stream_groups else "")
+    streamed = (f" with the optimizer streamed ({stream_groups} groups, {DEFAULT_PREFETCH} copied in "
+                f"ahead, none resident)" if stream_groups else "")
     (out / f"{stem}.md").write_text(
         f"# TENSILE plans of captured steps{streamed}, worked out on the CPU\n\n"
         f"Written by `python -m experiments.tensile_plans` (commit {env['commit']}, {env['date']}, "

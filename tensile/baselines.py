@@ -59,7 +59,7 @@ from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
-from .streamed import stream_optimizer as tensile_stream_optimizer
+from .streamed import DEFAULT_PREFETCH, stream_optimizer as tensile_stream_optimizer
 
 __all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
            "random_ops"]
@@ -320,7 +320,7 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 
 def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
-                    stream_prefetch: int = 2, stream_resident: int = 0) -> StepFn:
+                    stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int = 0) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
@@ -334,7 +334,8 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
 
 
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
-                   stream_optimizer: int = 0, stream_prefetch: int = 2, stream_resident: int = 0,
+                   stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
+                   stream_resident: int = 0,
                    **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":

@@ -62,7 +62,11 @@ import torch
 
 from .streams import side_stream
 
-__all__ = ["StreamedOptimizer", "stream_optimizer", "streamed_of"]
+__all__ = ["StreamedOptimizer", "stream_optimizer", "streamed_of", "DEFAULT_PREFETCH"]
+
+# Groups whose state is copied in ahead of the one updating, by default. On the H200,
+# ResNet-50's streaming cost 0.24 of its step with 2 and 0.39 with 1 (twelfth session).
+DEFAULT_PREFETCH = 2
 
 
 @dataclass
@@ -92,13 +96,11 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
-                     prefetch: int = 2, resident: int = 0) -> "StreamedOptimizer":
+                     prefetch: int = DEFAULT_PREFETCH, resident: int = 0) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
-    of the group updating (default 2: on the H200, ResNet-50's streaming cost 0.24 of its step
-    with 2, 0.39 with 1; one more group's state on the device); the first ``resident`` groups
-    backward updates keep their state on the device. Returns the handle; ``.remove()`` undoes
-    it."""
+    of the group updating (:data:`DEFAULT_PREFETCH`); the first ``resident`` groups backward
+    updates keep their state on the device. Returns the handle; ``.remove()`` undoes it."""
     return StreamedOptimizer(optimizer, groups, prefetch, resident)
 
 
@@ -109,7 +111,8 @@ class StreamedOptimizer:
     those left to ``step()`` (a parameter without a gradient in that step, say).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16, prefetch: int = 2,
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16,
+                 prefetch: int = DEFAULT_PREFETCH,
                  resident: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -78,7 +78,7 @@ def test_a_streamed_optimizer_lowers_the_planned_peak(tmp_path):
                                  stream_groups=8)
     (streamed,) = df.to_dict("records")
     assert (tmp_path / "tensile_plans_streamed.csv").exists()
-    assert "optimizer streamed (8 groups)" in (tmp_path / "tensile_plans_streamed.md").read_text()
+    assert "optimizer streamed (8 groups, 2 copied in ahead, none resident)" in (tmp_path / "tensile_plans_streamed.md").read_text()
     assert streamed["status"] == "ok" and streamed["stream_optimizer"] == 8
     assert plain["stream_optimizer"] == 0
     # MobileNetV2 at batch 1: its 3.5 M parameters' moments (27 MiB) weigh against few
