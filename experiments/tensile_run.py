@@ -113,6 +113,8 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(rs, int) or isinstance(rs, bool) or rs < 0 or (so and rs >= so):
         raise ConfigError(f"experiment.stream_resident must be a number of groups from 0 to "
                           f"stream_optimizer - 1, got {rs!r} (stream_optimizer={so!r})")
+    if not isinstance(exp.get("allow_swaps", True), bool):
+        raise ConfigError(f"experiment.allow_swaps must be true or false, got {exp.allow_swaps!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -181,6 +183,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"max_overhead={exp.max_overhead:g}")
         if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
+        if not exp.get("allow_swaps", True):
+            knobs.append("allow_swaps=false")
         knobs += stream_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     if name == "streamed_graph":
@@ -435,6 +439,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:
             opts["copy_latency_ms"] = float(exp.get("copy_latency_ms", COPY_LATENCY_MS))
+            if not exp.get("allow_swaps", True):
+                opts["allow_swaps"] = False
         return opts
     return {}
 

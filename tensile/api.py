@@ -206,6 +206,7 @@ class Scheduler:
     measured unless given.
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
+    ``allow_swaps=False`` plans recomputation only (local planning).
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
@@ -229,6 +230,7 @@ class Scheduler:
                  budget: int | float | None = None, *,
                  simulate: bool | None = None,
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
+                 allow_swaps: bool = True,
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
@@ -249,6 +251,9 @@ class Scheduler:
         if max_overhead and (planner is not None or scheduler_socket is not None):
             raise ValueError(f"max_overhead={max_overhead!r} is an option of TENSILE's own planner; "
                              "it does not apply with planner= or scheduler_socket")
+        if not allow_swaps and (planner is not None or scheduler_socket is not None):
+            raise ValueError("allow_swaps=False is an option of TENSILE's own planner here; it "
+                             "does not apply with planner= or scheduler_socket")
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
                              "give scheduler_socket too")
@@ -263,7 +268,7 @@ class Scheduler:
         # TENSILE's greedy peak shaving by default; tensile.policies has vDNN and Capuchin.
         self.planner = planner or functools.partial(
             make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
-            max_overhead=max_overhead)
+            max_overhead=max_overhead, allow_swaps=allow_swaps)
 
         self._example = _signature(example_batch)
         self.recording = self._record(example_batch)

@@ -58,6 +58,7 @@ def plan(
     copy_latency_ms: float = COPY_LATENCY_MS,
     min_bytes: int = 1,
     max_overhead: float = 0.0,
+    allow_swaps: bool = True,
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
 
@@ -67,13 +68,15 @@ def plan(
     ``budget_bytes=None`` minimises the peak with hidden swaps, then with recomputation
     that adds at most ``max_overhead`` x the iteration time (0: none). With a budget,
     ``max_overhead`` is not used: recomputation goes as far as the budget needs.
+    ``allow_swaps=False`` plans recomputation only (a plan whose copies would wait on channels
+    the step itself keeps busy, say a streamed optimizer's).
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_max_overhead(max_overhead)
     t0 = time.perf_counter()
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
             copy_latency_ms, min_bytes, max_overhead)
-    best = _greedy(*args, allow_swaps=True, transient=True)
+    best = _greedy(*args, allow_swaps=allow_swaps, transient=True)
     if allow_recompute and (budget_bytes is not None or max_overhead > 0):
         # Swaps first is TENSILE's order, but a swapped tensor cannot feed a recompute and
         # is back (in memory) before its use: where recomputation may do the work, a plan
@@ -81,6 +84,8 @@ def plan(
         # memory down but spends allowance that other recomputes could use. Keep the best
         # plan of the four: feasible, lower peak, less extra time.
         for swaps, transient in ((True, False), (False, True), (False, False)):
+            if swaps and not allow_swaps:
+                continue
             other = _greedy(*args, allow_swaps=swaps, transient=transient)
             if _rank(other, budget_bytes) < _rank(best, budget_bytes):
                 best = other

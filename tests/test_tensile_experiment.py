@@ -190,6 +190,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
     (["experiment.stream_prefetch=0"], r"stream_prefetch must be a number of groups >= 1, got 0"),
+    (["experiment.allow_swaps=maybe"], "experiment.allow_swaps must be true or false, got 'maybe'"),
     (["experiment.methods=[vanilla,streamed_graph]"],
      r"method streamed_graph streams the optimizer: set experiment.stream_optimizer"),
     (["experiment.stream_optimizer=4", "experiment.stream_resident=4"],
@@ -302,6 +303,12 @@ def test_setting_and_label_name_what_changes_the_measurement():
     assert tensile_run.method_label("tensile_graph", rs) == \
         "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("tensile_graph", rs, "cuda", None, None, {})["stream_resident"] == 4
+    ns = _compose(["experiment=tensile", "experiment.max_overhead=0.1",
+                   "experiment.allow_swaps=false"]).experiment
+    assert tensile_run.method_label("tensile_graph", ns) == "tensile_graph(max_overhead=0.1,allow_swaps=false)"
+    assert tensile_run._method_opts("tensile_graph", ns, "cuda", None, None, {})["allow_swaps"] is False
+    assert "allow_swaps" not in tensile_run._method_opts("tensile_graph", so, "cuda", None, None, {})
+    assert "allow_swaps" not in tensile_run._method_opts("capuchin", ns, "cuda", None, 10, {})
     # the streaming alone, captured without a plan: its label names the same knobs
     assert tensile_run.method_label("streamed_graph", rs) == \
         "streamed_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"

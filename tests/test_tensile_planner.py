@@ -334,6 +334,21 @@ def test_the_steps_own_copies_keep_their_channel_time_from_the_plans_swaps():
     assert streamed.with_op_times(streamed.op_ms * 2).transfers == ((3, "h2d", 30 * MB),)
 
 
+def test_allow_swaps_false_plans_recomputation_only():
+    """Where swaps shave the peak at no estimated cost, ``allow_swaps=False`` moves nothing by
+    copy: without an allowance nothing is planned, with one it recomputes instead (here to
+    the same peak), and the plan is still a valid one."""
+    tl = _dense_block()
+    kw = dict(d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    swapped = plan(tl, max_overhead=0.5, **kw)
+    assert swapped.swaps and not swapped.recomputes
+    none = plan(tl, allow_swaps=False, **kw)
+    assert not none.swaps and not none.recomputes and none.peak_after == none.peak_before
+    rec = plan(tl, allow_swaps=False, max_overhead=0.5, **kw)
+    assert not rec.swaps and rec.recomputes and rec.peak_after == swapped.peak_after < rec.peak_before
+    check_plan(tl, rec, max_overhead=0.5)
+
+
 def test_a_swapped_activation_is_dropped_when_its_copy_out_should_end():
     """Not right after its last read: in a CUDA graph the release waits for the copy-out."""
     ops = [

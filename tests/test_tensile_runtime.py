@@ -141,6 +141,22 @@ def test_an_overhead_allowance_recomputes_without_a_budget_and_trains_the_same(r
     with pytest.raises(ValueError, match="max_overhead=0.1 is an option of TENSILE's own planner"):
         tensile.Scheduler(make_cnn(), torch.optim.Adam(make_cnn().parameters()), batches(1)[0],
                           nn.functional.cross_entropy, max_overhead=0.1, planner=lambda *a, **k: None)
+    with pytest.raises(ValueError, match="allow_swaps=False is an option of TENSILE's own planner"):
+        tensile.Scheduler(make_cnn(), torch.optim.Adam(make_cnn().parameters()), batches(1)[0],
+                          nn.functional.cross_entropy, allow_swaps=False, planner=lambda *a, **k: None)
+
+
+def test_a_recompute_only_scheduler_plans_no_swaps_and_trains_the_same(reference):
+    """``allow_swaps=False`` under a budget that swaps would help reach (fast copies): the
+    plan recomputes only and training matches the reference (the planner's tests show the
+    contrast with swaps allowed)."""
+    model0, opt0, _ = reference
+    model, opt, _, sched = scheduled(budget=300_000, allow_cross_iteration=False,
+                                     d2h_bw=1e12, h2d_bw=1e12, replan=False, allow_swaps=False)
+    assert sched.plan.recomputes and not sched.plan.swaps
+    assert sched.plan.peak_after < sched.plan.peak_before
+    for a, b in zip(state_tensors(model0, opt0), state_tensors(model, opt)):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
 
 
 def test_late_swap_in_is_done_on_demand_and_counted(reference):
