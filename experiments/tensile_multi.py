@@ -120,6 +120,7 @@ from typing import Any, Callable, Sequence
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
 from tensile import server
+from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
            "MemorySampler", "run_phase", "phase_memory", "write_timeline", "plot_timeline",
@@ -186,7 +187,7 @@ class Options:
     arrive_every: int = 5
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
-    stream_prefetch: int = 2            # ... its groups copied in ahead
+    stream_prefetch: int = DEFAULT_PREFETCH   # ... its groups copied in ahead
     stream_resident: int = 0            # ... its first groups whose state stays on the device
 
 
@@ -434,7 +435,8 @@ def run_job(p: dict) -> dict:
     sched = None
     if p["phase"] == "tensile":
         if p.get("stream_optimizer"):   # the update in backward, Adam's moments on the host
-            stream_optimizer(opt, groups=p["stream_optimizer"], prefetch=p.get("stream_prefetch", 2),
+            stream_optimizer(opt, groups=p["stream_optimizer"],
+                             prefetch=p.get("stream_prefetch", DEFAULT_PREFETCH),
                              resident=p.get("stream_resident", 0))
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
@@ -1265,8 +1267,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
                     help="TENSILE's jobs update in backward with Adam's state streamed from "
                          "host memory (tensile.stream_optimizer) in GROUPS groups (default 0: not)")
-    ap.add_argument("--stream-prefetch", type=int, default=2, metavar="K",
-                    help="with --stream-optimizer: groups whose state is copied in ahead (default 2)")
+    ap.add_argument("--stream-prefetch", type=int, default=DEFAULT_PREFETCH, metavar="K",
+                    help=f"with --stream-optimizer: groups whose state is copied in ahead "
+                         f"(default {DEFAULT_PREFETCH})")
     ap.add_argument("--stream-resident", type=int, default=0, metavar="K",
                     help="with --stream-optimizer: the first K groups backward updates keep their "
                          "state on the device (default 0)")

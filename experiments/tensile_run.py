@@ -44,6 +44,7 @@ from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
 from tensile.planner import COPY_LATENCY_MS
 from tensile.step import training_step
+from tensile.streamed import DEFAULT_PREFETCH
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(so, int) or isinstance(so, bool) or so < 0:
         raise ConfigError(f"experiment.stream_optimizer must be a number of parameter groups "
                           f">= 0 (0: off), got {so!r}")
-    pf = exp.get("stream_prefetch", 2)
+    pf = exp.get("stream_prefetch", DEFAULT_PREFETCH)
     if not isinstance(pf, int) or isinstance(pf, bool) or pf < 1:
         raise ConfigError(f"experiment.stream_prefetch must be a number of groups >= 1, got {pf!r}")
     rs = exp.get("stream_resident", 0)
@@ -195,7 +196,7 @@ def method_label(name: str, exp) -> str:
 def stream_opts(exp) -> dict[str, int]:
     """``make_method``'s options of a streamed method (:func:`tensile.stream_optimizer`'s)."""
     return {"stream_optimizer": int(exp.stream_optimizer),
-            "stream_prefetch": int(exp.get("stream_prefetch", 2)),
+            "stream_prefetch": int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
             "stream_resident": int(exp.get("stream_resident", 0))}
 
 
@@ -204,7 +205,7 @@ def stream_knobs(name: str, exp) -> list[str]:
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
     knobs = [f"stream_optimizer={int(exp.stream_optimizer)}"]
-    if exp.get("stream_prefetch", 2) != 1:   # rows before the default became 2 meant 1
+    if exp.get("stream_prefetch", DEFAULT_PREFETCH) != 1:   # rows before the default became 2 meant 1
         knobs.append(f"stream_prefetch={int(exp.stream_prefetch)}")
     if exp.get("stream_resident", 0):
         knobs.append(f"stream_resident={int(exp.stream_resident)}")

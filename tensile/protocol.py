@@ -371,7 +371,7 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             needed_by={s: v for s, v in needed_by.items() if roles[s] != "activation"},
             random_ops=[k for k in range(n) if data["random"][k]],
             held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
-            transfers=[tuple(t) if isinstance(t, list) else t for t in data.get("transfers", [])])
+            transfers=data.get("transfers", []))   # entries checked by the timeline
     except ValueError as e:
         raise ProtocolError(f"timeline: {e}") from None
     return tl
