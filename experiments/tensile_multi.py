@@ -19,7 +19,8 @@ which re-plans) and trains ``--warmup + --iters`` steps. Scenarios:
 
 * ``copies``: each model of ``--models`` with k concurrent copies, for every k in ``--copies``;
 * ``mdw``: all of ``--models`` at once, one copy each (the authors' "MDW").
-  In both, all jobs arrive together and start training together once all are ready.
+  In both, all jobs arrive together, start training together once all are ready and start
+  their measured steps together once all have done their ``--warmup`` steps.
 * ``dynamic``: one job per entry of ``--models`` (repeats allowed), in that order. Job 0
   arrives first; job k arrives when job 0 has finished ``--arrive-every`` steps since job
   k-1 was ready (or when job 0 or job k-1 has died). Jobs with an odd k leave early, after
@@ -66,9 +67,11 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   its allocator;
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
-  samples where no job is between its arrival and ready (that start-up includes TENSILE's
-  recording step, which runs at vanilla memory; grey in the plot) nor, with ``--captured``,
-  in a step that captured a graph;
+  samples where no job is between its arrival and its first measured step (that start-up
+  includes TENSILE's recording step, which runs at vanilla memory, and the warm-up steps,
+  where a captured job's first graph lives beside the one that replaces it; grey in the
+  plot) nor, with ``--captured``, in a step that captured a graph: the window in which the
+  allocator peaks are taken too;
   ``msr_nvml_all`` takes the peak over every sample; ``eor`` = sum of the jobs' mean step times
   tensile / vanilla - 1; ``replans`` = the scheduler's re-plans, ``replan_kinds`` their
   triggers by kind (arrival, departure, first measurement, drift; one re-plan may fold several).
@@ -404,7 +407,10 @@ def run_job(p: dict) -> dict:
     device (under TENSILE: records its step and registers with the scheduler), says
     ``ready``, waits for a second ``go`` if ``p["barrier"]`` (all jobs start training
     together) and trains ``p["steps"]`` steps, saying ``step`` after each; with
-    ``p["until_stop"]`` it trains on until ``stop`` comes.
+    ``p["until_stop"]`` it trains on until ``stop`` comes. After its ``p["warmup"]`` steps
+    it says ``warm`` and, with ``p["barrier"]``, waits for ``measure`` (all jobs start their
+    measured steps together: no job's warm-up or capture runs beside another's measured
+    steps), then says ``measuring``.
     """
     import torch
 
@@ -467,8 +473,12 @@ def run_job(p: dict) -> dict:
         i = 0
         while i < p["steps"] or (p["until_stop"] and not cmds.eof and not cmds.seen("stop")):
             if i == p["warmup"]:  # measured steps from here: fresh peaks and counters
+                if p["barrier"]:  # and all jobs measure together, none still capturing
+                    _emit({"event": "warm", "job": p["job_id"]})
+                    cmds.wait("measure", tick=sched.heartbeat if sched else None)
                 _free(cuda)
                 before = sched.report() if sched else None
+                _emit({"event": "measuring", "job": p["job_id"]})
             version = sched.report().plan_version if sched else None
             if version is not None and (not versions or versions[-1] != version):
                 versions.append(version)
@@ -670,6 +680,7 @@ class JobOutcome:
     prepared: bool = False        # built on the CPU, waiting for its arrival
     arrived: bool = False         # told to go
     ready: bool = False           # on the device (registered, under TENSILE)
+    warm: bool = False            # done its warm-up steps, waiting to measure (barrier)
     lead_steps_at_ready: int | None = None   # steps of job 0 when this one was ready
     steps: int = 0
     exited: bool = False
@@ -745,6 +756,10 @@ def _advance(setting: Setting, outs: list[JobOutcome], sampler: MemorySampler,
             for o in live:
                 _command(o, "go")
             flags["started"] = True
+        elif flags.get("started") and not flags.get("measuring") and all(o.warm or o.exited for o in outs):
+            for o in live:
+                _command(o, "measure")
+            flags["measuring"] = True
         return
     lead = outs[0]
     k = next((i for i, o in enumerate(outs) if not o.arrived), None)
@@ -837,6 +852,10 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
                 sampler.mark(f"ready {jid}")
             elif event == "step":
                 o.steps = msg["i"] + 1
+            elif event == "warm":
+                o.warm = True
+            elif event == "measuring":
+                sampler.mark(f"measuring {jid}")
             elif event == "captured":
                 sampler.mark_span(f"capture {jid}", msg["t0"], msg["t1"])
             elif event == "done":
@@ -953,18 +972,22 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
 
 def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]], list[tuple[float, float]]]:
     """The phase's plain samples ``(t, used)`` and every job's start-up interval: from its
-    arrival to ready (or exit), when it moves to the device and, under TENSILE, records one
-    step at vanilla memory and registers; with ``--captured`` also every step that captured
-    a graph (its timing graphs and warm-up live next to the graph it replaces)."""
+    arrival to its first measured step (or exit): it moves to the device and, under
+    TENSILE, records one step at vanilla memory, registers and runs its warm-up steps, where
+    a captured job holds its first graph beside the one that replaces it. A timeline
+    written before jobs said ``measuring`` ends the start-up at ``ready``. With
+    ``--captured`` also every step that captured a graph (its timing graphs and warm-up
+    live next to the graph it replaces)."""
     plain = [(t, u) for p, t, u, e in samples if p == phase and not e]
     events = sorted((t, e) for p, t, _u, e in samples if p == phase and e)
+    measured = {e.split(" ", 1)[1] for _t, e in events if e.startswith("measuring ")}
     starts: dict[str, float] = {}
     spans = []
     for t, e in events:
         kind, job = e.split(" ", 1)
         if kind == "arrive":
             starts[job] = t
-        elif kind in ("ready", "exit") and job in starts:
+        elif job in starts and (kind == "exit" or kind == ("measuring" if job in measured else "ready")):
             spans.append((starts.pop(job), t))
         elif kind == "capture":     # --captured: a step that captured a graph (a set-up too)
             starts["capture " + job] = t

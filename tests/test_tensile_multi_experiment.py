@@ -96,8 +96,12 @@ def test_timeline_and_plot_with_arrivals_and_exits(copies2):
     events = _events(timeline)
     for phase in ("vanilla", "tensile"):
         for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
-            for kind in ("start", "arrive", "ready", "exit"):
+            for kind in ("start", "arrive", "ready", "measuring", "exit"):
                 assert (phase, f"{kind} {job}") in events
+        # the barrier after warm-up: every job measures only once all are warm
+        order = [e for p, e in events if p == phase]
+        last_ready = max(order.index(f"ready {j}") for j in ("mobilenet_v2-1", "mobilenet_v2-2"))
+        assert min(order.index(f"measuring {j}") for j in ("mobilenet_v2-1", "mobilenet_v2-2")) > last_ready
 
 
 def test_a_rerun_skips_stored_settings(copies2, capsys, monkeypatch):
@@ -266,6 +270,19 @@ def test_phase_memory_leaves_start_ups_out_of_the_steady_peak():
                               ("tensile", 0.47, 400 * mb, "captured a")]
     mem = tm.phase_memory(captured, "tensile")
     assert mem == {"idle_mb": 100.0, "peak_all_mb": 900.0, "peak_mb": 400.0}
+
+
+def test_a_jobs_warm_up_is_start_up_when_it_says_measuring():
+    """Warm-up steps (a captured job's first graph beside its second) stay out of the
+    steady peak; a timeline without ``measuring`` ends the start-up at ``ready``."""
+    mb = tm.MB
+    samples = [("tensile", 0.0, 100 * mb, ""), ("tensile", 0.1, 100 * mb, "arrive a"),
+               ("tensile", 0.3, 300 * mb, "ready a"), ("tensile", 0.4, 800 * mb, ""),  # warm-up
+               ("tensile", 0.5, 300 * mb, "measuring a"), ("tensile", 0.6, 400 * mb, ""),
+               ("tensile", 0.7, 400 * mb, "exit a")]
+    assert tm.phase_memory(samples, "tensile")["peak_mb"] == 400.0
+    old = [s for s in samples if s[3] != "measuring a"]
+    assert tm.phase_memory(old, "tensile")["peak_mb"] == 800.0
 
 
 def test_a_span_a_job_reports_lands_at_its_own_times():
