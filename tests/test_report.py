@@ -243,12 +243,34 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert v.loc["densenet121", "vs best built-in"] == "1.19x (checkpoint_graph)"   # like for like
     assert v.loc["inception_v4", "vs best built-in"] == (
         "5.33x (checkpoint), a captured step against an eager one")
+    # at each built-in's peak: the fastest TENSILE variant of its kind with no higher peak
+    assert v.loc["resnet50", "at a built-in's peak"] == "eager: none reaches checkpoint's peak"
+    assert v.loc["densenet121", "at a built-in's peak"] == "captured: none reaches checkpoint_graph's peak"
+    assert v.loc["inception_v4", "at a built-in's peak"] == ""   # no built-in of tensile_graph's kind
     assert v.loc["densenet121", "method"] == "tensile_graph vs graph"
     assert (v.loc["densenet121", "MSR"], v.loc["densenet121", "EOR"]) == (0.8, 0.05)
     assert v.loc["inception_v4", "verdict"] == "not reproduced"   # its EOR against eager does not count
     assert v.loc["vgg16", "verdict"] == "not reproduced"
     text = report.write_report(tmp_path / "h200").read_text()
     assert "## TENSILE" in text and "Speedup over eager" not in text
+
+
+def test_tensile_against_each_builtin_at_its_own_peak(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    _tensile_row(store, "vanilla", 100.0, 1000.0, 0.0, 0.0)
+    _tensile_row(store, "tensile", 120.0, 300.0, 0.70, 0.20)
+    _tensile_row(store, "tensile(max_overhead=0.1)", 128.0, 280.0, 0.72, 0.28)
+    _tensile_row(store, "checkpoint", 160.0, 290.0, 0.71, 0.60)   # 160 / 128: 1.25x
+    _tensile_row(store, "sac", 110.0, 400.0, 0.60, 0.10)          # 110 / 120: TENSILE slower
+    _tensile_row(store, "graph", 40.0, 1000.0, 0.0, -0.6)
+    _tensile_row(store, "checkpoint_graph", 50.0, 500.0, 0.5, -0.5)
+    _tensile_row(store, "tensile_graph(max_overhead=0.1)", 45.0, 450.0, 0.55, -0.55,
+                 msr_vs_graph=0.55, eor_vs_graph=0.12)              # 50 / 45: 1.11x
+    _tensile_row(store, "tensile_graph(max_overhead=0.3)", 60.0, 300.0, 0.7, -0.4,
+                 msr_vs_graph=0.7, eor_vs_graph=0.5)
+    paper = pd.DataFrame({"model": ["resnet50"], "batch_size": [16], "msr": [0.671], "eor": [0.609]})
+    v = report.tensile_verdicts(report.tensile_metrics(report.load_rows(tmp_path / "h200")), paper)
+    assert v.loc[0, "at a built-in's peak"] == "captured 1.11x (checkpoint_graph); eager 0.92x (sac)"
 
 
 def test_tensile_plan_check_sets_each_plans_assumptions_beside_the_measurement(tmp_path):
