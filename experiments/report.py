@@ -510,8 +510,10 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame
     the fastest PyTorch built-in whose peak is no higher than TENSILE's."""
     lines = []
     for _, p in paper.iterrows():
+        # whole steps on the whole GPU; a TENSILE budget (``budget=``) changes only TENSILE's
+        # and Capuchin's plans, so those runs' rows count too
         mine = metrics[(metrics["model"] == p["model"]) & (metrics["batch_size"] == p["batch_size"])
-                       & (metrics["mode"] == "whole-step")]
+                       & metrics["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?")]
         # TENSILE's variants: tensile, tensile(max_overhead=...) against eager vanilla, and
         # tensile_graph(...) and streamed_graph(...) (the streamed optimizer alone) against
         # the captured vanilla step (the same mode: host out of both)

@@ -83,6 +83,10 @@ is stopped on the way out. Settings already stored (their ``GPU`` row) are skipp
 simulation mode, RSS instead of GPU memory): its rows have ``device`` = cpu, which the report
 treats as smoke rows, as for ``experiment=tensile``.
 
+Without ``--mps`` the job processes take turns on the GPU in time slices; with it they are
+clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs
+side by side (the label says ``mps``).
+
 Run on an otherwise idle GPU: NVML counts every process on it. The paper's settings on the
 GPU host (``--models`` defaults to the five; ``--memory-gb`` emulates a smaller GPU by capping
 every job process at that size, which cannot cap their sum, and without ``--budget`` gives the
@@ -102,6 +106,7 @@ peak fitted, ``fits_memory_gb_<phase>``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -120,6 +125,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from experiments.mps import available as mps_available
+from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
 from tensile import server
@@ -192,6 +199,7 @@ class Options:
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
     stream_prefetch: int = DEFAULT_PREFETCH   # ... its groups copied in ahead
     stream_resident: int = 0            # ... its first groups whose state stays on the device
+    mps: bool = False                   # the jobs share the GPU through a private MPS daemon
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -223,6 +231,8 @@ def _suffix(opts: Options) -> str:
             parts.append(f"stream_prefetch={opts.stream_prefetch}")
         if opts.stream_resident:
             parts.append(f"stream_resident={opts.stream_resident}")
+    if opts.mps:
+        parts.append("mps")
     return "".join("," + p for p in parts)
 
 
@@ -1186,12 +1196,14 @@ def run(settings: list[Setting], opts: Options, probe: dict) -> list[dict]:
         return rows
     sampler = MemorySampler(opts.device, opts.gpu_index)  # NVML problems stop us here, at once
     try:
-        bar = tqdm(todo, desc=EXPERIMENT, unit="setting")
-        for s in bar:
-            bar.set_postfix_str(s.label)
-            written = run_setting(s, opts, probe, store, sampler)
-            tqdm.write(_summary(written))
-            rows += written
+        # --mps: both phases' jobs (and the scheduler) are clients of one private daemon
+        with mps_daemon(_child_env(opts)) if opts.mps else contextlib.nullcontext():
+            bar = tqdm(todo, desc=EXPERIMENT, unit="setting")
+            for s in bar:
+                bar.set_postfix_str(s.label)
+                written = run_setting(s, opts, probe, store, sampler)
+                tqdm.write(_summary(written))
+                rows += written
     finally:
         sampler.close()
     return rows
@@ -1296,6 +1308,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-resident", type=int, default=0, metavar="K",
                     help="with --stream-optimizer: the first K groups backward updates keep their "
                          "state on the device (default 0)")
+    ap.add_argument("--mps", action="store_true",
+                    help="the jobs of both phases share the GPU through a private MPS daemon "
+                         "(experiments.mps) instead of time slices (cuda only)")
     ap.add_argument("--job", type=Path, default=None, help=argparse.SUPPRESS)   # a job process
     ap.add_argument("--probe", choices=("cuda", "cpu"), default=None, help=argparse.SUPPRESS)
     return ap
@@ -1321,8 +1336,10 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     if args.gpu_index is not None and args.gpu_index < 0:
         ap.error(f"--gpu-index must be >= 0, got {args.gpu_index}")
     if args.device == "cpu" and (args.memory_gb is not None or args.gpu_index is not None
-                                 or args.captured):
-        ap.error("--memory-gb, --gpu-index and --captured are for --device cuda")
+                                 or args.captured or args.mps):
+        ap.error("--memory-gb, --gpu-index, --captured and --mps are for --device cuda")
+    if args.mps and not mps_available():
+        ap.error("--mps starts a CUDA MPS daemon: nvidia-cuda-mps-control is not on PATH")
     if args.device == "cuda":
         import importlib.util
 
@@ -1353,7 +1370,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
-                   stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident)
+                   stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
+                   mps=args.mps)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

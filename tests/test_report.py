@@ -271,6 +271,16 @@ def test_tensile_against_each_builtin_at_its_own_peak(tmp_path):
     paper = pd.DataFrame({"model": ["resnet50"], "batch_size": [16], "msr": [0.671], "eor": [0.609]})
     v = report.tensile_verdicts(report.tensile_metrics(report.load_rows(tmp_path / "h200")), paper)
     assert v.loc[0, "at a built-in's peak"] == "captured 1.11x (checkpoint_graph); eager 0.92x (sac)"
+    # a run with a TENSILE budget counts (it changes only TENSILE's plan); an emulated smaller
+    # GPU does not (it changes what every method sees)
+    for mode, ms in (("whole-step,budget=503316480", 42.0), ("whole-step,mem=8GiB", 30.0)):
+        store.append(dict(experiment="tensile", mode=mode, model="resnet50", batch_size=16,
+                          backend="tensile_graph(copy_latency_ms=0.1)", status="ok", device="cuda",
+                          gpu="NVIDIA H200", warmup=5, iters=50, mean_ms=ms, median_ms=ms,
+                          peak_mem_mb=480.0, extra={"msr": 0.52, "eor": -0.58, "msr_vs_graph": 0.52,
+                                                    "eor_vs_graph": 0.05}))
+    v = report.tensile_verdicts(report.tensile_metrics(report.load_rows(tmp_path / "h200")), paper)
+    assert v.loc[0, "at a built-in's peak"] == "captured 1.19x (checkpoint_graph); eager 0.92x (sac)"
 
 
 def test_tensile_plan_check_sets_each_plans_assumptions_beside_the_measurement(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from experiments import tensile_multi as tm
+from experiments.mps import available as mps_available
 from experiments.store import COLUMNS, read_rows
 
 SMOKE = ["--device", "cpu", "--batch", "2", "--warmup", "2", "--iters", "3", "--timeout", "240"]
@@ -204,6 +205,8 @@ def test_settings_follow_the_scenario_rules():
     assert [j.job_id for j in copies[1].jobs] == ["vgg16-1", "vgg16-2", "vgg16-3"]
     low = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, max_overhead=0.05))
     assert [s.label for s in low] == ["copies:vgg16x2,max_overhead=0.05"]
+    shared = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, captured=True, mps=True))
+    assert [s.label for s in shared] == ["copies:vgg16x2,captured,mps"]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
@@ -338,9 +341,10 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "mdw", "--models", "vgg16"], ["needs at least 2 models, got ['vgg16']"]),
     (["--scenario", "copies", "--budget", "lots"], ["expected bytes such as 40G", "'lots'"]),
     (["--scenario", "copies", "--device", "gpu"], ["invalid choice: 'gpu'", "cuda", "cpu"]),
-    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index and --captured "
-                                                    "are for --device cuda"]),
-    (["--scenario", "copies", "--captured"], ["--captured are for --device cuda"]),
+    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index, --captured and "
+                                                    "--mps are for --device cuda"]),
+    (["--scenario", "copies", "--captured"], ["--captured and --mps are for --device cuda"]),
+    (["--scenario", "copies", "--mps"], ["--mps are for --device cuda"]),
     (["--scenario", "copies", "--stream-optimizer", "-1"], ["--stream-optimizer must be a number of parameter groups >= 0"]),
     (["--scenario", "copies", "--stream-optimizer", "4", "--stream-prefetch", "0"],
      ["--stream-prefetch must be a number of groups >= 1, got 0"]),
@@ -400,3 +404,23 @@ def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_p
     # both phases replay graphs: the plan's extra time is the GPU's, not the host's
     # (H200: 5.30 against 5.21 ms; the eager runtime's job took 2.4x its vanilla step)
     assert e["iter_ms_median_tensile"] < 1.5 * e["iter_ms_median_vanilla"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None
+                    or not mps_available(),
+                    reason="--mps runs the jobs under a CUDA MPS daemon: needs a CUDA GPU, "
+                           "nvidia-ml-py and nvidia-cuda-mps-control")
+def test_jobs_under_a_private_mps_daemon(tmp_path):
+    """--mps: both phases' jobs are clients of one private daemon, which is gone afterwards."""
+    import os
+    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "2", "--batch", "2",
+            "--warmup", "4", "--iters", "10", "--timeout", "300", "--max-overhead", "0.3",
+            "--captured", "--mps", "--results-dir", str(tmp_path)]
+    assert tm.main(args) == 0
+    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
+    rows = read_rows(csv_path)
+    assert {r["backend"] for r in rows} == {"resnet50-1", "resnet50-2", "GPU"}
+    assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x2,max_overhead=0.3,captured,mps"
+               for r in rows), [r["reason"] for r in rows]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
