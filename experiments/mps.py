@@ -26,6 +26,14 @@ CONTROL = "nvidia-cuda-mps-control"
 ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
+def client_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a client of the daemon :func:`mps_daemon` runs: without
+    ``CUDA_VISIBLE_DEVICES``, since the daemon serves only the GPUs it was started with and
+    numbers them from 0 for its clients (a client that kept ``CUDA_VISIBLE_DEVICES=1`` would
+    find no GPU at all)."""
+    return {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+
+
 def available() -> bool:
     """Whether the MPS control program is on ``PATH``."""
     return shutil.which(CONTROL) is not None
@@ -38,7 +46,7 @@ def mps_daemon(env: dict[str, str] | None = None) -> Iterator[str]:
     ``env``: the environment the daemon starts with (its ``CUDA_VISIBLE_DEVICES`` picks
     the GPUs it serves), by default this process's. The pipe and log folders are set in
     ``os.environ`` too, so every process started inside the block from this one's
-    environment is a client of this daemon.
+    environment is a client of this daemon; start clients with :func:`client_env`.
     """
     if not available():
         raise RuntimeError(f"MPS needs {CONTROL} on PATH (NVIDIA's driver utilities); not found")

@@ -126,6 +126,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from experiments.mps import available as mps_available
+from experiments.mps import client_env as mps_client_env
 from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
@@ -800,7 +801,8 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
     the device) by the setting's rule (:func:`_advance`). Every process started here is
     stopped before returning, also on errors and timeouts.
     """
-    env = _child_env(opts)
+    # --mps: run() started the daemon on the jobs' GPU; its clients number it 0
+    env = mps_client_env(_child_env(opts)) if opts.mps else _child_env(opts)
     outs = [JobOutcome(j) for j in setting.jobs]
     by_id = {o.spec.job_id: o for o in outs}
     lines: queue.Queue = queue.Queue()

@@ -64,3 +64,9 @@ def test_no_control_program_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="nvidia-cuda-mps-control on PATH"):
         with mps.mps_daemon():
             pass
+
+
+def test_clients_see_the_daemons_gpus_from_0():
+    env = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_MPS_PIPE_DIRECTORY": "/p", "PATH": "/bin"}
+    assert mps.client_env(env) == {"CUDA_MPS_PIPE_DIRECTORY": "/p", "PATH": "/bin"}
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"      # the daemon's own environment untouched
