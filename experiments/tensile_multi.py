@@ -69,7 +69,7 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and its first measured step (that start-up
   includes TENSILE's recording step, which runs at vanilla memory, and the warm-up steps,
-  where a captured job's first graph lives beside the one that replaces it; grey in the
+  where a captured job's first steps run uncaptured, above its graph's memory; grey in the
   plot) nor, with ``--captured``, in a step that captured a graph: the window in which the
   allocator peaks are taken too;
   ``msr_nvml_all`` takes the peak over every sample; ``eor`` = sum of the jobs' mean step times
@@ -986,7 +986,7 @@ def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]],
     """The phase's plain samples ``(t, used)`` and every job's start-up interval: from its
     arrival to its first measured step (or exit): it moves to the device and, under
     TENSILE, records one step at vanilla memory, registers and runs its warm-up steps, where
-    a captured job holds its first graph beside the one that replaces it. A timeline
+    a captured job's first steps run uncaptured, above its graph's memory. A timeline
     written before jobs said ``measuring`` ends the start-up at ``ready``. With
     ``--captured`` also every step that captured a graph (its timing graphs and warm-up
     live next to the graph it replaces)."""

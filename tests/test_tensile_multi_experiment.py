@@ -276,7 +276,7 @@ def test_phase_memory_leaves_start_ups_out_of_the_steady_peak():
 
 
 def test_a_jobs_warm_up_is_start_up_when_it_says_measuring():
-    """Warm-up steps (a captured job's first graph beside its second) stay out of the
+    """Warm-up steps (a captured job's uncaptured first steps) stay out of the
     steady peak; a timeline without ``measuring`` ends the start-up at ``ready``."""
     mb = tm.MB
     samples = [("tensile", 0.0, 100 * mb, ""), ("tensile", 0.1, 100 * mb, "arrive a"),
