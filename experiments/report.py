@@ -146,7 +146,9 @@ def load_rows(gpu_dir: str | Path, every_run: bool = False) -> pd.DataFrame:
 
 
 def _read_csv(path: Path) -> pd.DataFrame | None:
-    return pd.read_csv(path) if path.exists() else None
+    """A derived CSV (analysis, paper figures); ``commit`` as text: a hash such as 3e52123
+    would otherwise read as a number (inf)."""
+    return pd.read_csv(path, dtype={"commit": str}) if path.exists() else None
 
 
 # --------------------------------------------------------------------------- derived tables

@@ -509,3 +509,11 @@ def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_ag
     (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "planned (CPU)"]
     assert list(line.get_xdata()) == [0.0, 0.1] and list(line.get_ydata()) == [0.07, 0.5]
     assert not [ln for ln in fig.axes[1].get_lines() if ln.get_label() == "planned (CPU)"]
+
+
+def test_a_commit_that_looks_like_a_number_stays_text(tmp_path):
+    """3e52123 is a hash, not 3 x 10^52123 (it read as inf in the planner table)."""
+    path = tmp_path / "plans.csv"
+    path.write_text("model,commit\nresnet50,3e52123\nvgg16,1234567\n")
+    assert report._read_csv(path)["commit"].tolist() == ["3e52123", "1234567"]
+    assert report._read_csv(tmp_path / "missing.csv") is None
