@@ -227,11 +227,8 @@ def _suffix(opts: Options) -> str:
     if opts.captured:
         parts.append("captured")
     if opts.stream_optimizer:
-        parts.append(f"stream_optimizer={opts.stream_optimizer}")
-        if opts.stream_prefetch != 1:   # named unless 1 (the only value before it was an option)
-            parts.append(f"stream_prefetch={opts.stream_prefetch}")
-        if opts.stream_resident:
-            parts.append(f"stream_resident={opts.stream_resident}")
+        from experiments.tensile_run import stream_label   # as experiment=tensile names them
+        parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident)
     if opts.mps:
         parts.append("mps")
     return "".join("," + p for p in parts)

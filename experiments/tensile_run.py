@@ -204,11 +204,19 @@ def stream_knobs(name: str, exp) -> list[str]:
     """The ``stream_*`` options of a streamed method, as its label shows them."""
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
-    knobs = [f"stream_optimizer={int(exp.stream_optimizer)}"]
-    if exp.get("stream_prefetch", DEFAULT_PREFETCH) != 1:   # rows before the default became 2 meant 1
-        knobs.append(f"stream_prefetch={int(exp.stream_prefetch)}")
-    if exp.get("stream_resident", 0):
-        knobs.append(f"stream_resident={int(exp.stream_resident)}")
+    return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
+                        int(exp.get("stream_resident", 0)))
+
+
+def stream_label(groups: int, prefetch: int, resident: int) -> list[str]:
+    """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
+    unless 1 (rows from before the default became 2 meant 1), resident unless 0. Also
+    ``experiments.tensile_multi``'s settings."""
+    knobs = [f"stream_optimizer={groups}"]
+    if prefetch != 1:
+        knobs.append(f"stream_prefetch={prefetch}")
+    if resident:
+        knobs.append(f"stream_resident={resident}")
     return knobs
 
 
