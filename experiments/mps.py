@@ -27,11 +27,20 @@ ENV_KEYS = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
 
 
 def client_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` for a client of the daemon :func:`mps_daemon` runs: without
-    ``CUDA_VISIBLE_DEVICES``, since the daemon serves only the GPUs it was started with and
-    numbers them from 0 for its clients (a client that kept ``CUDA_VISIBLE_DEVICES=1`` would
-    find no GPU at all)."""
-    return {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    """``env`` (the environment the daemon started with) for a client of that daemon.
+
+    The daemon serves only the GPUs its ``CUDA_VISIBLE_DEVICES`` names and numbers them
+    from 0 for its clients, so a client's ``CUDA_VISIBLE_DEVICES`` must count from 0 too:
+    one that kept ``1`` finds no GPU at all. It must not be dropped either: PyTorch counts
+    GPUs through NVML, which sees every GPU of the host, so a client without it believes
+    in GPUs the daemon does not serve and fails when it initialises CUDA ("device=1,
+    num_gpus=1", seen on the H200 host). Without ``CUDA_VISIBLE_DEVICES`` (the daemon serves
+    every GPU) the environment is kept as it is."""
+    out = dict(env)
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible:
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(len(visible)))
+    return out
 
 
 def available() -> bool:

@@ -722,18 +722,25 @@ def _read_lines(name: str, stream, out: queue.Queue) -> None:
     out.put((name, None))  # end of output
 
 
-def _tail(path: Path | None, n: int = 2000) -> str:
+def _tail(path: Path | None, n: int = 4000) -> str:
     if path is None or not path.exists():
         return ""
     return path.read_text(errors="replace")[-n:]
 
 
 def _failure(o: JobOutcome) -> str:
-    """One line saying why a job gave no result: its exit code and last stderr line."""
+    """One line saying why a job gave no result: its exit code and the exception's line (the
+    last stderr line naming an ``...Error`` or ``...Exception``; else the last line: PyTorch
+    puts the call's original traceback after a CUDA initialisation error)."""
     rc = o.proc.returncode if o.proc is not None else None
-    lines = [ln for ln in o.stderr_tail.splitlines() if ln.strip()]
-    last = lines[-1].strip()[:300] if lines else "no stderr"
-    return f"exit code {rc}: {last}"
+    lines = [ln.strip() for ln in o.stderr_tail.splitlines() if ln.strip()]
+    raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+    why = (raised or lines or ["no stderr"])[-1][:300]
+    return f"exit code {rc}: {why}"
+
+
+# "RuntimeError: ...", "torch.OutOfMemoryError: ...", "KeyboardInterrupt" is not one
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception)\b")
 
 
 def _command(o: JobOutcome, word: str) -> None:

@@ -68,5 +68,8 @@ def test_no_control_program_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_clients_see_the_daemons_gpus_from_0():
     env = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_MPS_PIPE_DIRECTORY": "/p", "PATH": "/bin"}
-    assert mps.client_env(env) == {"CUDA_MPS_PIPE_DIRECTORY": "/p", "PATH": "/bin"}
+    assert mps.client_env(env) == {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_PIPE_DIRECTORY": "/p",
+                                   "PATH": "/bin"}
     assert env["CUDA_VISIBLE_DEVICES"] == "1"      # the daemon's own environment untouched
+    assert mps.client_env({"CUDA_VISIBLE_DEVICES": "2,3"})["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert mps.client_env({"PATH": "/bin"}) == {"PATH": "/bin"}   # the daemon serves every GPU

@@ -424,3 +424,19 @@ def test_jobs_under_a_private_mps_daemon(tmp_path):
     assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x2,max_overhead=0.3,captured,mps"
                for r in rows), [r["reason"] for r in rows]
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_a_failed_job_is_named_by_its_exception_not_the_traceback_after_it():
+    """PyTorch appends the call's original traceback after a CUDA initialisation error: the
+    reason names the error, not that traceback's last frame."""
+    tail = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "RuntimeError: device >= 0 && device < num_gpus INTERNAL ASSERT FAILED. device=1, num_gpus=1\n\n"
+            "CUDA call was originally invoked at:\n\n  File \"torch/cuda/__init__.py\", line 421\n"
+            "    _queued_calls.append((callable, traceback.format_stack()))\n")
+    o = tm.JobOutcome(spec=None, stderr_tail=tail)
+    assert tm._failure(o) == ("exit code None: RuntimeError: device >= 0 && device < num_gpus "
+                              "INTERNAL ASSERT FAILED. device=1, num_gpus=1")
+    o.stderr_tail = "some warning\nlast words\n"
+    assert tm._failure(o) == "exit code None: last words"
+    o.stderr_tail = ""
+    assert tm._failure(o) == "exit code None: no stderr"
