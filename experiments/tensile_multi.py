@@ -87,6 +87,11 @@ Without ``--mps`` the job processes take turns on the GPU in time slices; with i
 clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs
 side by side (the label says ``mps``).
 
+``--stream-resident auto`` lets every TENSILE job choose how many of its streamed optimizer's
+groups stay on the device (:func:`tensile.tune_resident`): the fewest whose copies, with all the
+setting's jobs streaming over one link, delay its step by at most ``--stream-overhead``. The
+job's row keeps the choice (``extra.stream_tuned``).
+
 Run on an otherwise idle GPU: NVML counts every process on it. The paper's settings on the
 GPU host (``--models`` defaults to the five; ``--memory-gb`` emulates a smaller GPU by capping
 every job process at that size, which cannot cap their sum, and without ``--budget`` gives the
@@ -131,6 +136,7 @@ from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
 from tensile import server
+from tensile.resident import AUTO
 from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
@@ -199,7 +205,9 @@ class Options:
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
     stream_prefetch: int = DEFAULT_PREFETCH   # ... its groups copied in ahead
-    stream_resident: int = 0            # ... its first groups whose state stays on the device
+    stream_resident: int | str = 0      # ... its first groups whose state stays on the device,
+                                        # or "auto" (tensile.tune_resident, for the setting's jobs)
+    stream_overhead: float = 0.05       # ... with "auto": the delay the streaming may add
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
 
 
@@ -228,7 +236,8 @@ def _suffix(opts: Options) -> str:
         parts.append("captured")
     if opts.stream_optimizer:
         from experiments.tensile_run import stream_label   # as experiment=tensile names them
-        parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident)
+        parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident,
+                              opts.stream_overhead)
     if opts.mps:
         parts.append("mps")
     return "".join("," + p for p in parts)
@@ -424,7 +433,8 @@ def run_job(p: dict) -> dict:
 
     from experiments import models
     from experiments.tensile_run import _drop_aux_head, classification_loss
-    from tensile import Scheduler, stream_optimizer, training_step
+    from tensile import Scheduler, training_step
+    from tensile.resident import install_streamed
 
     cuda = p["device"] == "cuda"
     cmds = _Commands()
@@ -446,12 +456,16 @@ def run_job(p: dict) -> dict:
     opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR,
                            capturable=captured)
     outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
-    sched = None
+    sched = tuned = None
     if p["phase"] == "tensile":
         if p.get("stream_optimizer"):   # the update in backward, Adam's moments on the host
-            stream_optimizer(opt, groups=p["stream_optimizer"],
-                             prefetch=p.get("stream_prefetch", DEFAULT_PREFETCH),
-                             resident=p.get("stream_resident", 0))
+            # resident "auto": chosen for all the setting's jobs streaming over one link
+            streamed = install_streamed(
+                model, opt, batch, classification_loss, groups=p["stream_optimizer"],
+                prefetch=p.get("stream_prefetch", DEFAULT_PREFETCH),
+                resident=p.get("stream_resident", 0), max_overhead=p.get("stream_overhead", 0.05),
+                jobs=p.get("jobs", 1), h2d_bw=p["rates"]["h2d_bw"], d2h_bw=p["rates"]["d2h_bw"])
+            tuned = streamed.tuned
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0},
@@ -513,6 +527,8 @@ def run_job(p: dict) -> dict:
                "capture_steps": capture_steps,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
+        if tuned:   # what tensile.tune_resident chose (--stream-resident auto)
+            out["stream_tuned"] = tuned
         if sched is not None:
             after = sched.report()
             before = before or after
@@ -713,7 +729,8 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
             "socket": None if sock is None else str(sock), "captured": opts.captured,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
-            "stream_resident": opts.stream_resident}
+            "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
+            "jobs": len(setting.jobs)}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -973,6 +990,8 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                 "passive_swapins", "swap_ins", "recomputes", "bytes_swapped",
                 "plan_iteration_ms", "timed_steps", "d2h_gbps_measured", "h2d_gbps_measured",
                 "stall_ms_per_timed_step")})
+            if "stream_tuned" in res:   # --stream-resident auto: what tune_resident chose
+                extra["stream_tuned"] = res["stream_tuned"]
     if "vanilla" in fields and "tensile" in fields:
         d = derived_metrics(fields["tensile"], fields["vanilla"])
         extra.update(msr_alloc=d["msr"], msr_reserved=d["msr_reserved"], eor=d["eor"], cbr=d["cbr"])
@@ -1271,6 +1290,16 @@ def _parse_budget(text: str) -> int:
     return _parse_bytes(text)
 
 
+def _resident_arg(text: str) -> int | str:
+    """``--stream-resident``: a number of groups or ``auto``."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of groups or {AUTO!r}, got {text!r}")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m experiments.tensile_multi",
                                  description=__doc__.split("\n")[0])
@@ -1311,9 +1340,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-prefetch", type=int, default=DEFAULT_PREFETCH, metavar="K",
                     help=f"with --stream-optimizer: groups whose state is copied in ahead "
                          f"(default {DEFAULT_PREFETCH})")
-    ap.add_argument("--stream-resident", type=int, default=0, metavar="K",
+    ap.add_argument("--stream-resident", type=_resident_arg, default=0, metavar="K|auto",
                     help="with --stream-optimizer: the first K groups backward updates keep their "
-                         "state on the device (default 0)")
+                         "state on the device (default 0), or auto: the fewest whose streaming, "
+                         "with all the setting's jobs on one link, delays a step by at most "
+                         "--stream-overhead (tensile.tune_resident)")
+    ap.add_argument("--stream-overhead", type=float, default=0.05, metavar="F",
+                    help="with --stream-resident auto: the delay allowed, a share of the step "
+                         "(default 0.05)")
     ap.add_argument("--mps", action="store_true",
                     help="the jobs of both phases share the GPU through a private MPS daemon "
                          "(experiments.mps) instead of time slices (cuda only)")
@@ -1361,9 +1395,14 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                  f"{args.stream_optimizer}")
     if args.stream_prefetch < 1:
         ap.error(f"--stream-prefetch must be a number of groups >= 1, got {args.stream_prefetch}")
-    if not 0 <= args.stream_resident < max(args.stream_optimizer, 1):
-        ap.error(f"--stream-resident must be a number of groups from 0 to --stream-optimizer - 1, "
-                 f"got {args.stream_resident} (--stream-optimizer {args.stream_optimizer})")
+    if args.stream_resident != AUTO and not 0 <= args.stream_resident <= args.stream_optimizer:
+        ap.error(f"--stream-resident must be a number of groups from 0 to --stream-optimizer, or "
+                 f"auto, got {args.stream_resident} (--stream-optimizer {args.stream_optimizer})")
+    if args.stream_resident == AUTO and not args.stream_optimizer:
+        ap.error("--stream-resident auto chooses among --stream-optimizer's groups: give "
+                 "--stream-optimizer too")
+    if not 0 <= args.stream_overhead < 1:
+        ap.error(f"--stream-overhead must be a share of the step in [0, 1), got {args.stream_overhead}")
     if not 0 <= args.max_overhead < 1:
         ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
     budget = args.budget
@@ -1377,7 +1416,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
-                   mps=args.mps)
+                   stream_overhead=args.stream_overhead, mps=args.mps)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

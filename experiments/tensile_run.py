@@ -44,6 +44,7 @@ from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
 from tensile.planner import COPY_LATENCY_MS
 from tensile.step import training_step
+from tensile.resident import AUTO
 from tensile.streamed import DEFAULT_PREFETCH
 
 log = logging.getLogger(__name__)
@@ -111,9 +112,13 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(pf, int) or isinstance(pf, bool) or pf < 1:
         raise ConfigError(f"experiment.stream_prefetch must be a number of groups >= 1, got {pf!r}")
     rs = exp.get("stream_resident", 0)
-    if not isinstance(rs, int) or isinstance(rs, bool) or rs < 0 or (so and rs >= so):
+    if rs != AUTO and (not isinstance(rs, int) or isinstance(rs, bool) or rs < 0 or (so and rs > so)):
         raise ConfigError(f"experiment.stream_resident must be a number of groups from 0 to "
-                          f"stream_optimizer - 1, got {rs!r} (stream_optimizer={so!r})")
+                          f"stream_optimizer, or {AUTO!r}, got {rs!r} (stream_optimizer={so!r})")
+    sov = exp.get("stream_overhead", 0.05)
+    if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
+        raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
+                          f"got {sov!r}")
     if not isinstance(exp.get("allow_swaps", True), bool):
         raise ConfigError(f"experiment.allow_swaps must be true or false, got {exp.allow_swaps!r}")
     amb = exp.activation_memory_budget
@@ -193,11 +198,17 @@ def method_label(name: str, exp) -> str:
     return name
 
 
-def stream_opts(exp) -> dict[str, int]:
+def _resident(exp) -> int | str:
+    rs = exp.get("stream_resident", 0)
+    return rs if rs == AUTO else int(rs)
+
+
+def stream_opts(exp) -> dict[str, Any]:
     """``make_method``'s options of a streamed method (:func:`tensile.stream_optimizer`'s)."""
     return {"stream_optimizer": int(exp.stream_optimizer),
             "stream_prefetch": int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
-            "stream_resident": int(exp.get("stream_resident", 0))}
+            "stream_resident": _resident(exp),
+            "stream_overhead": float(exp.get("stream_overhead", 0.05))}
 
 
 def stream_knobs(name: str, exp) -> list[str]:
@@ -205,18 +216,22 @@ def stream_knobs(name: str, exp) -> list[str]:
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
     return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
-                        int(exp.get("stream_resident", 0)))
+                        _resident(exp), float(exp.get("stream_overhead", 0.05)))
 
 
-def stream_label(groups: int, prefetch: int, resident: int) -> list[str]:
+def stream_label(groups: int, prefetch: int, resident: int | str,
+                 overhead: float = 0.05) -> list[str]:
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
-    unless 1 (rows from before the default became 2 meant 1), resident unless 0. Also
+    unless 1 (rows from before the default became 2 meant 1), resident unless 0, and with
+    ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`). Also
     ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
         knobs.append(f"stream_prefetch={prefetch}")
     if resident:
         knobs.append(f"stream_resident={resident}")
+    if resident == AUTO:
+        knobs.append(f"stream_overhead={overhead:g}")
     return knobs
 
 

@@ -7,7 +7,8 @@ one GPU: ``python -m tensile.server`` plans them jointly; jobs connect with
 :class:`TensileClient` (:mod:`tensile.multi` holds the joint planner). A host-bound job
 can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile.graph`).
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
-(:mod:`tensile.streamed`).
+(:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
+(:mod:`tensile.resident`).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -19,6 +20,7 @@ from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
+from .resident import tune_resident
 from .baselines import METHODS, StepFn, checkpoint_blocks, make_method
 from .client import SchedulerError, TensileClient
 from .policies import capuchin_plan, vdnn_plan
@@ -30,7 +32,7 @@ __all__ = [
     "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
-    "StreamedOptimizer", "stream_optimizer",
+    "StreamedOptimizer", "stream_optimizer", "tune_resident",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
 ]

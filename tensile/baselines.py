@@ -28,7 +28,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   what it costs the GPU (``tensile_graph`` against ``graph``). ``tensile_graph``'s option
   ``stream_optimizer=<groups>`` first installs :func:`tensile.stream_optimizer` (the update
   in backward, Adam's state streamed from the host; 0: not; ``stream_prefetch``: its groups
-  copied in ahead; ``stream_resident``: its first groups whose state stays on the device);
+  copied in ahead; ``stream_resident``: its first groups whose state stays on the device, or
+  ``"auto"``: chosen by :func:`tensile.tune_resident` within ``stream_overhead`` of the step,
+  for ``stream_jobs`` jobs sharing the link);
 * ``streamed_graph``: the vanilla step captured with :func:`tensile.stream_optimizer`
   installed and no plan: what the streaming alone saves and costs (same options);
 * ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
@@ -59,7 +61,8 @@ from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
-from .streamed import DEFAULT_PREFETCH, stream_optimizer as tensile_stream_optimizer
+from .resident import install_streamed
+from .streamed import DEFAULT_PREFETCH
 
 __all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
            "random_ops"]
@@ -320,31 +323,36 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 
 def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
-                    stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int = 0) -> StepFn:
+                    stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int | str = 0,
+                    stream_overhead: float = 0.05, stream_jobs: int = 1) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
     if device.type != "cuda":   # said before the optimizer is changed
         raise ValueError(f"streamed_graph captures a CUDA graph: it needs a CUDA model (model on {device})")
-    streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch,
-                                        stream_resident)
+    streamed = install_streamed(model, optimizer, example_batch, loss_fn, groups=stream_optimizer,
+                                prefetch=stream_prefetch, resident=stream_resident,
+                                max_overhead=stream_overhead, jobs=stream_jobs)
     captured = _graph(model, optimizer, loss_fn, example_batch)
     return StepFn("streamed_graph", captured.run,
-                  lambda: {**captured.stats(), "stream_groups": len(streamed.groups)})
+                  lambda: {**captured.stats(), **_stream_stats(streamed)})
 
 
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
-                   stream_resident: int = 0,
-                   **scheduler_kwargs) -> StepFn:
+                   stream_resident: int | str = 0, stream_overhead: float = 0.05,
+                   stream_jobs: int = 1, **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     if stream_optimizer:   # the update in backward, state streamed from the host (groups)
-        streamed = tensile_stream_optimizer(optimizer, stream_optimizer, stream_prefetch,
-                                            stream_resident)
+        streamed = install_streamed(model, optimizer, example_batch, loss_fn,
+                                    groups=stream_optimizer, prefetch=stream_prefetch,
+                                    resident=stream_resident, max_overhead=stream_overhead,
+                                    jobs=stream_jobs, h2d_bw=scheduler_kwargs.get("h2d_bw"),
+                                    d2h_bw=scheduler_kwargs.get("d2h_bw"))
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
@@ -361,8 +369,14 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                 "bytes_moved_per_step": sched.plan.bytes_moved,
                 # the replay time of the captured vanilla step the plan was made for
                 "captured_vanilla_ms": sched.captured_vanilla_ms,
-                **({"stream_groups": len(streamed.groups)} if stream_optimizer else {})}
+                **(_stream_stats(streamed) if stream_optimizer else {})}
     return StepFn("tensile_graph", lambda b: graph(*b), stats)
+
+
+def _stream_stats(streamed) -> dict:
+    """A streamed method's figures: its groups, and what tune_resident chose if it ran."""
+    return {"stream_groups": len(streamed.groups), "stream_resident_groups": streamed.resident,
+            **({"stream_tuned": streamed.tuned} if streamed.tuned else {})}
 
 
 def _scheduled(sched: Scheduler, name: str) -> StepFn:

@@ -31,7 +31,8 @@ the device at a time, and the copies run beside backward's kernels.
 
 The first groups backward updates come in during backward's short start (ResNet-50's layer 4
 holds most of its weights), faster than two copy engines can carry them: ``resident=k``
-keeps the state of the first ``k`` groups on the device, trading memory for that wait.
+keeps the state of the first ``k`` groups on the device, trading memory for that wait;
+:func:`tensile.tune_resident` (:mod:`tensile.resident`) chooses ``k`` from one timed step.
 
 The update of each group is the optimizer's own, so an elementwise optimizer (Adam, AdamW,
 SGD, ...) trains exactly as with one ``step()`` after backward: bit for bit (tests). The host
@@ -100,7 +101,9 @@ def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
     of the group updating (:data:`DEFAULT_PREFETCH`); the first ``resident`` groups backward
-    updates keep their state on the device. Returns the handle; ``.remove()`` undoes it."""
+    updates keep their state on the device (all ``groups``: only the update moves into
+    backward, which drops the gradients early; :func:`tensile.tune_resident` chooses it).
+    Returns the handle; ``.remove()`` undoes it."""
     return StreamedOptimizer(optimizer, groups, prefetch, resident)
 
 
@@ -124,9 +127,10 @@ class StreamedOptimizer:
             raise ValueError(f"groups: expected an int >= 1, got {groups!r}")
         if not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch: expected an int >= 1 (groups copied in ahead), got {prefetch!r}")
-        if not isinstance(resident, int) or not 0 <= resident < groups:
-            raise ValueError(f"resident: expected an int from 0 to groups - 1 = {groups - 1} "
-                             f"(groups whose state stays on the device), got {resident!r}")
+        if not isinstance(resident, int) or not 0 <= resident <= groups:
+            raise ValueError(f"resident: expected an int from 0 to groups = {groups} (groups whose "
+                             f"state stays on the device; all: only the update moves into "
+                             f"backward), got {resident!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -138,7 +142,7 @@ class StreamedOptimizer:
         self.cuda = self.device.type == "cuda"
         self.prefetch = prefetch
         self.groups = _split(params[::-1], groups)
-        self.resident = min(resident, len(self.groups) - 1)
+        self.resident = min(resident, len(self.groups))
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self.updates_in_backward = 0
         self.late_updates = 0
@@ -152,6 +156,8 @@ class StreamedOptimizer:
         self._still: list[int] = []           # the largest need from group i on
         self._in_step = False
         self._new_state = False               # an update this step created state on the device
+        self._marks = None                    # tensile.resident's timing: called at "begin", each update
+        self.tuned: dict | None = None        # what tensile.tune_resident chose, if it ran
         self._original = {name: getattr(optimizer, name)
                           for name in ("step", "load_state_dict", "state_dict")}
         optimizer.step = types.MethodType(_streamed_step, optimizer)
@@ -182,6 +188,25 @@ class StreamedOptimizer:
         ``optimizer.state_dict()`` does it; read ``optimizer.state`` directly only after it."""
         if self.cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(self.device)
+
+    def set_resident(self, resident: int) -> None:
+        """Keep the state of backward's first ``resident`` groups on the device from now on
+        (0 to ``len(groups)``), the others' in host memory. Not during a step or a capture:
+        a captured graph keeps the addresses it was captured with, so capture again after."""
+        if not isinstance(resident, int) or isinstance(resident, bool) \
+                or not 0 <= resident <= len(self.groups):
+            raise ValueError(f"resident: expected an int from 0 to {len(self.groups)} (the groups), "
+                             f"got {resident!r}")
+        if self._in_step or (self.cuda and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError("set_resident between steps only, not during a step or a capture")
+        self.synchronize()
+        for g in self.groups[:resident]:   # back on the device, as remove() does
+            for p, key, off, n in g.keys:
+                state = self.optimizer.state[p]
+                state[key] = state[key].to(self.device, copy=True)
+            g.keys, g.host = [], None
+        self.resident = resident
+        self.home_state()
 
     def homes(self, p: torch.Tensor, key: str) -> bool:
         """Whether state entry ``key`` of parameter ``p`` lives in a host region."""
@@ -232,6 +257,8 @@ class StreamedOptimizer:
     def _begin(self) -> None:
         """Backward's first gradient: the first groups' state into the ring's slots."""
         self._in_step = True
+        if self._marks is not None:
+            self._marks("begin")
         self._ready, self._done, self._next_in, self._updates = {}, set(), 0, 0
         self._needs = [g.host.numel() if g.host is not None else 0 for g in self.groups]
         self._still = [max(self._needs[i:], default=0) for i in range(len(self._needs) + 1)]
@@ -308,6 +335,8 @@ class StreamedOptimizer:
     def _update(self, g: int) -> None:
         """Group ``g``'s update on its streamed-in state; the state goes back to the host."""
         grp = self.groups[g]
+        if self._marks is not None:
+            self._marks(g)
         if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
             self._bring_in(g, self._new_slot(grp.host.numel()))
         opt, state = self.optimizer, self.optimizer.state

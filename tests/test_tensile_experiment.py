@@ -193,8 +193,12 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.allow_swaps=maybe"], "experiment.allow_swaps must be true or false, got 'maybe'"),
     (["experiment.methods=[vanilla,streamed_graph]"],
      r"method streamed_graph streams the optimizer: set experiment.stream_optimizer"),
-    (["experiment.stream_optimizer=4", "experiment.stream_resident=4"],
-     r"stream_resident must be a number of groups from 0 to stream_optimizer - 1, got 4 \(stream_optimizer=4\)"),
+    (["experiment.stream_optimizer=4", "experiment.stream_resident=5"],
+     r"stream_resident must be a number of groups from 0 to stream_optimizer, or 'auto', got 5 \(stream_optimizer=4\)"),
+    (["experiment.stream_optimizer=4", "experiment.stream_resident=some"],
+     r"stream_resident must be a number of groups from 0 to stream_optimizer, or 'auto', got 'some'"),
+    (["experiment.stream_optimizer=4", "experiment.stream_overhead=1.5"],
+     r"stream_overhead must be a fraction of the step in \[0, 1\), got 1.5"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -313,7 +317,14 @@ def test_setting_and_label_name_what_changes_the_measurement():
     assert tensile_run.method_label("streamed_graph", rs) == \
         "streamed_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("streamed_graph", rs, "cuda", None, None, {}) == {
-        "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4}
+        "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4, "stream_overhead": 0.05}
+    # resident=auto (tensile.tune_resident): the label names it and its allowance
+    auto = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                     "experiment.stream_resident=auto", "experiment.stream_overhead=0.1"]).experiment
+    assert tensile_run.method_label("tensile_graph", auto) == \
+        "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=auto,stream_overhead=0.1)"
+    opts = tensile_run._method_opts("streamed_graph", auto, "cuda", None, None, {})
+    assert opts["stream_resident"] == "auto" and opts["stream_overhead"] == 0.1
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"

@@ -511,3 +511,33 @@ def test_side_streams_are_non_blocking_and_start_no_stream_pool():
     assert float(ours) < 8
     assert flags == "1"                      # cudaStreamNonBlocking
     assert distinct == "True" and same == "True"
+
+
+def test_tune_resident_times_a_captured_step_without_training_and_trains_exactly_after():
+    """tensile.tune_resident on CUDA: the update times come from a CUDA graph of the step with
+    every group resident (they rise through backward and end within the step); timing does
+    not train; a link too slow for the step keeps every group, a fast one streams some; the
+    tuned optimizer then trains exactly like plain Adam."""
+    from tensile.resident import measure_update_times
+    data = batches(6, batch=2, hw=8)
+    m0, o0 = _eager(data, 256)
+    expected = [t.detach().cpu().clone() for t in states(m0, o0)]
+    model = make_cnn(256)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    streamed = tensile.stream_optimizer(opt, groups=8, prefetch=2, resident=8)
+    training_step(model, opt, data[0], nn.functional.cross_entropy)
+    before = [t.detach().clone() for t in states(model, opt)]
+    times = measure_update_times(streamed, model, data[1], nn.functional.cross_entropy)
+    assert all(torch.equal(a, b) for a, b in zip(before, states(model, opt)))
+    assert times.begin_ms <= times.update_ms[0] <= times.update_ms[-1] <= times.step_ms
+    assert times.update_ms == sorted(times.update_ms)   # backward's order
+    assert tensile.tune_resident(streamed, model, data[1], nn.functional.cross_entropy,
+                                 h2d_bw=1e3, d2h_bw=1e3) == 8
+    k = tensile.tune_resident(streamed, model, data[1], nn.functional.cross_entropy,
+                              max_overhead=0.5)       # the measured link, half a step allowed
+    print(f"update times {times}; chose {k} resident: {streamed.tuned}")
+    assert k < 8 and all(g.host.is_pinned() for g in streamed.groups[k:] if g.host is not None)
+    for b in data[1:]:
+        training_step(model, opt, b, nn.functional.cross_entropy)
+    for a, b in zip(expected, states(model, opt)):
+        assert torch.equal(a, b.cpu()), "the tuned streamed step differs from plain eager Adam"

@@ -179,20 +179,25 @@ def test_dynamic_arrivals_and_an_early_leaver(tmp_path):
 
 def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     """--stream-optimizer: TENSILE's jobs update in backward with Adam's moments in host
-    memory; the setting says so and both phases finish."""
-    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "1",
-            "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "1",
-            "--results-dir", str(tmp_path), *SMOKE]
+    memory; with --stream-resident auto each job chooses its resident groups for the
+    setting's two jobs on one link (tensile.tune_resident); both phases finish."""
+    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
+            "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "auto",
+            "--stream-overhead", "0.1", "--results-dir", str(tmp_path), *SMOKE]
     assert tm.main(args) == 0
     rows = {r["backend"]: r for r in _rows(tmp_path)}
-    assert set(rows) == {"mobilenet_v2-1", "GPU"}
+    assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
-        assert r["mode"] == ("copies:mobilenet_v2x1,img=32,stream_optimizer=4,stream_prefetch=2,"
-                             "stream_resident=1")
-    e = rows["mobilenet_v2-1"]["extra"]
-    assert e["measured_iters_tensile"] == e["measured_iters_vanilla"] > 0
-    assert math.isfinite(e["loss_tensile"])
+        assert r["mode"] == ("copies:mobilenet_v2x2,img=32,stream_optimizer=4,stream_prefetch=2,"
+                             "stream_resident=auto,stream_overhead=0.1")
+    for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
+        e = rows[job]["extra"]
+        assert e["measured_iters_tensile"] == e["measured_iters_vanilla"] > 0
+        assert math.isfinite(e["loss_tensile"])
+        tuned = e["stream_tuned"]
+        assert tuned["jobs"] == 2 and tuned["max_overhead"] == 0.1 and 0 <= tuned["resident"] <= 4
+        assert tuned["delay_ms"] <= 0.1 * tuned["step_ms"] + 1e-6
 
 
 def test_settings_follow_the_scenario_rules():
@@ -348,8 +353,14 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "copies", "--stream-optimizer", "-1"], ["--stream-optimizer must be a number of parameter groups >= 0"]),
     (["--scenario", "copies", "--stream-optimizer", "4", "--stream-prefetch", "0"],
      ["--stream-prefetch must be a number of groups >= 1, got 0"]),
-    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-resident", "4"],
-     ["--stream-resident must be a number of groups from 0 to --stream-optimizer - 1, got 4"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-resident", "5"],
+     ["--stream-resident must be a number of groups from 0 to --stream-optimizer, or auto, got 5"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-resident", "most"],
+     ["expected a number of groups or 'auto', got 'most'"]),
+    (["--scenario", "copies", "--stream-resident", "auto"],
+     ["--stream-resident auto chooses among --stream-optimizer's groups"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-overhead", "2"],
+     ["--stream-overhead must be a share of the step in [0, 1), got 2.0"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
