@@ -19,7 +19,10 @@ times for ``k`` resident groups: ``prefetch + 1`` slots, one host→device and o
 device→host channel, a group's copy-in waiting for the copy-out of the slot's previous
 group, its update for its copy-in, the step's end for the last copy-out. It returns how much
 later the step ends. :func:`choose_resident` takes the fewest resident groups whose delay is
-within ``max_overhead`` of the step.
+within ``max_overhead`` of the step. The replay leaves out what the copies cost beside the
+kernels (on the H200 at b=16 it predicted 0.2-0.3 ms where the captured step took 1-2 ms
+longer), so :func:`tune_resident` then times the captured step with that choice and, if it
+is over, bisects towards all resident, timing each candidate.
 
 ``jobs``: that many jobs stream at the same time over one link and share it evenly, so each
 copy takes ``jobs`` times as long. Their kernels are taken not to slow each other (as under
@@ -153,26 +156,67 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
 def tune_resident(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
                   loss_fn: Callable | None, *, max_overhead: float = 0.05, jobs: int = 1,
                   h2d_bw: float | None = None, d2h_bw: float | None = None,
-                  latency_ms: float = COPY_LATENCY_MS) -> int:
+                  latency_ms: float = COPY_LATENCY_MS, verify: bool = True) -> int:
     """Measure, choose and set ``streamed``'s resident groups; returns how many stay.
     ``streamed`` must have every group resident and the optimizer its state (one step run).
-    Bandwidths are measured unless given (bytes/s)."""
+    Bandwidths are measured unless given (bytes/s).
+
+    ``verify`` (CUDA, capturable optimizer): the choice is then checked on the GPU. The
+    captured step is timed with it and with every group resident; when the streaming costs
+    more than allowed (the ring's replay leaves out what copies cost beside the kernels:
+    on the H200 at b=16, 1-2 ms a step where it predicted 0.2-0.3), a bisection between it
+    and all groups finds the fewest resident groups that fit, each candidate timed the same
+    way. It only ever keeps more groups than the replay chose. ``streamed.tuned`` records
+    the choice, the replay's and the measured delays."""
     times = measure_update_times(streamed, model, batch, loss_fn)
     if h2d_bw is None or d2h_bw is None:
         d, h = measure_copy_bandwidth(streamed.device)
         d2h_bw, h2d_bw = d2h_bw or d, h2d_bw or h
         if streamed.cuda:
             torch.cuda.empty_cache()
-    k = choose_resident(times, prefetch=streamed.prefetch, max_overhead=max_overhead,
-                        h2d_bw=h2d_bw, d2h_bw=d2h_bw, latency_ms=latency_ms, jobs=jobs)
+    link = dict(prefetch=streamed.prefetch, h2d_bw=h2d_bw, d2h_bw=d2h_bw, latency_ms=latency_ms,
+                jobs=jobs)
+    chosen = k = choose_resident(times, max_overhead=max_overhead, **link)
+    measured: dict[int, float] = {}
+    if verify and streamed.cuda and _capturable(streamed.optimizer) and k < len(streamed.groups):
+        k, base_ms, measured = _verified(streamed, model, batch, loss_fn, k, max_overhead)
     streamed.set_resident(k)
     streamed.tuned = {"resident": k, "jobs": jobs, "max_overhead": max_overhead,
                       "step_ms": round(times.step_ms, 3),
-                      "delay_ms": round(streaming_delay_ms(times, k, prefetch=streamed.prefetch,
-                                                           h2d_bw=h2d_bw, d2h_bw=d2h_bw,
-                                                           latency_ms=latency_ms, jobs=jobs), 3),
-                      "streamed_mb": round(sum(times.group_bytes[k:]) / 2**20, 1)}
+                      "delay_ms": round(streaming_delay_ms(times, k, **link), 3),
+                      "streamed_mb": round(sum(times.group_bytes[k:]) / 2**20, 1),
+                      **({"replay_chose": chosen, "captured_step_ms": round(base_ms, 3),
+                          "measured_delay_ms": {str(j): round(d, 3) for j, d in measured.items()}}
+                         if measured else {})}
     return k
+
+
+def _verified(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
+              loss_fn: Callable | None, k: int,
+              max_overhead: float) -> tuple[int, float, dict[int, float]]:
+    """The fewest resident groups from ``k`` on whose captured step is at most
+    ``max_overhead`` slower than with all resident (bisection; all resident fits by
+    definition); that step's time, and the delay measured for each candidate (ms)."""
+    every = len(streamed.groups)
+    base = _captured_step_ms(streamed, model, batch, loss_fn)    # all resident now
+    measured: dict[int, float] = {}
+
+    def fits(j: int) -> bool:
+        streamed.set_resident(j)
+        measured[j] = _captured_step_ms(streamed, model, batch, loss_fn) - base
+        return measured[j] <= max_overhead * base
+
+    if not fits(k):
+        lo, hi = k + 1, every
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        k = lo
+    streamed.set_resident(every)   # the caller sets the choice
+    return k, base, measured
 
 
 def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
@@ -247,21 +291,17 @@ def _event_marks(streamed, model, batch, loss_fn) -> list[float]:
     return _ordered(marks, len(streamed.groups), start.elapsed_time(end))
 
 
-def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[float]]:
-    """As :func:`_event_marks`, inside one CUDA graph of the step, replayed ``repeats`` times
-    (the graph runs its kernels back to back: no host gaps count)."""
+def _capture(streamed, model, batch, loss_fn, mark=None):
+    """One training step captured into a CUDA graph, between two timing events (``mark``:
+    :class:`StreamedOptimizer`'s timing hook during the capture). After a warm-up step on
+    the capture's side stream, as ``torch.cuda.graph`` requires; both train (callers keep
+    the state, :func:`_kept`)."""
     side = warmup_stream(streamed.device)
     side.wait_stream(torch.cuda.current_stream(streamed.device))
     with torch.cuda.stream(side):
         training_step(model, streamed.optimizer, batch, loss_fn)
     torch.cuda.current_stream(streamed.device).wait_stream(side)
     torch.cuda.synchronize(streamed.device)
-    events: dict = {}
-
-    def mark(what):
-        e = torch.cuda.Event(enable_timing=True, external=True)
-        e.record(side)
-        events.setdefault(what, e)
     start = torch.cuda.Event(enable_timing=True, external=True)
     end = torch.cuda.Event(enable_timing=True, external=True)
     graph = torch.cuda.CUDAGraph()
@@ -273,6 +313,35 @@ def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[flo
             end.record()
     finally:
         streamed._marks = None
+    return graph, start, end, side
+
+
+def _captured_step_ms(streamed, model, batch, loss_fn, replays: int = 20) -> float:
+    """Median replay time (ms) of the step captured as ``streamed`` is set now."""
+    with _kept(model, streamed.optimizer):
+        graph, start, end, _ = _capture(streamed, model, batch, loss_fn)
+        for _ in range(3):
+            graph.replay()
+        samples = []
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize(streamed.device)
+            samples.append(start.elapsed_time(end))
+        del graph
+    torch.cuda.empty_cache()   # the graph's private pool
+    return sorted(samples)[len(samples) // 2]
+
+
+def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[float]]:
+    """As :func:`_event_marks`, inside one CUDA graph of the step, replayed ``repeats`` times
+    (the graph runs its kernels back to back: no host gaps count)."""
+    events: dict = {}
+
+    def mark(what):
+        e = torch.cuda.Event(enable_timing=True, external=True)
+        e.record(torch.cuda.current_stream(streamed.device))
+        events.setdefault(what, e)
+    graph, start, end, side = _capture(streamed, model, batch, loss_fn, mark)
     gap = _event_gap_ms(side)
     runs = []
     for _ in range(repeats):

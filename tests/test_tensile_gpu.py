@@ -537,6 +537,9 @@ def test_tune_resident_times_a_captured_step_without_training_and_trains_exactly
                               max_overhead=0.5)       # the measured link, half a step allowed
     print(f"update times {times}; chose {k} resident: {streamed.tuned}")
     assert k < 8 and all(g.host.is_pinned() for g in streamed.groups[k:] if g.host is not None)
+    tuned = streamed.tuned   # verified on the GPU: the choice's captured step fits the allowance
+    assert k >= tuned["replay_chose"] and str(k) in tuned["measured_delay_ms"]
+    assert tuned["measured_delay_ms"][str(k)] <= 0.5 * tuned["captured_step_ms"]
     for b in data[1:]:
         training_step(model, opt, b, nn.functional.cross_entropy)
     for a, b in zip(expected, states(model, opt)):
