@@ -592,13 +592,17 @@ def tensile_cpu_plans(plans: pd.DataFrame, paper: pd.DataFrame | None = None) ->
     return out
 
 
-def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
+def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
+                        timelines: Path | None = None) -> pd.DataFrame:
     """One line per setting of the several-jobs experiment (its ``GPU`` row): device-level MSR
     and EOR, re-plans, and means over its jobs of the allocator MSR, cold-start MSR and
     iterations to a steady state; for ``copies`` settings the authors' figures (``paper``:
     ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse. A setting
     measured in several runs shows its latest (the ``run`` column); earlier runs stay in the
-    CSV. A run's job rows carry its GPU row's date."""
+    CSV. A run's job rows carry its GPU row's date. With ``timelines`` (the folder of the
+    runs' memory timelines) the NVML MSR is derived again from the run's timeline by the
+    current rule (:func:`experiments.tensile_multi.nvml_msr`), else it is the row's."""
+    from experiments.tensile_multi import nvml_msr, read_timeline
     rows = df[df["experiment"] == "tensile_multi"]
     gpu_rows = rows[rows["backend"] == "GPU"].sort_values("date")
     out = []
@@ -613,6 +617,8 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None) -> 
             return round(float(np.mean(vals)), 3) if vals else None
 
         msr, eor = e.get("msr_nvml"), e.get("eor")
+        if timelines is not None and e.get("timeline_csv") and (timelines / e["timeline_csv"]).exists():
+            msr = nvml_msr(read_timeline(timelines / e["timeline_csv"]))
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
                 "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
@@ -1062,11 +1068,14 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    md_table(check.dropna(axis=1, how="all").round(2)), ""]
 
     if (df["experiment"] == "tensile_multi").any():
-        table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"))
+        table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
         plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", "",
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
-               "(and, in `captured` settings, the steps that captured a graph) left out; allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
+               "(and, in `captured` settings, the steps that captured a graph) left out and, for jobs "
+               "that measure together, only from the last one's first measured step to the first "
+               "exit (derived again from each run's stored timeline; empty when no such sample is "
+               "left, as in a run whose jobs re-captured through all their measured steps); allocator share = the jobs' allocator peaks (reserved, vanilla) over that "
                "used memory: the part any plan can act on (the rest is each process's CUDA context, "
                "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
                "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "

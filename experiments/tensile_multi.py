@@ -140,7 +140,8 @@ from tensile.resident import AUTO
 from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
-           "MemorySampler", "run_phase", "phase_memory", "write_timeline", "plot_timeline",
+           "MemorySampler", "run_phase", "phase_memory", "write_timeline", "read_timeline",
+           "nvml_msr", "plot_timeline",
            "run_setting", "run", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1040,9 +1041,27 @@ def phase_memory(samples: list[tuple], phase: str) -> dict[str, float | None]:
         return {"idle_mb": None, "peak_mb": None, "peak_all_mb": None}
     first = min((a for a, _ in spans), default=math.inf)
     idle = [u for t, u in plain if t < first] or [plain[0][1]]  # before the first arrival
-    steady = [u for t, u in plain if not any(a <= t <= b for a, b in spans)]
+    # Jobs that measure together (each said "measuring"): the steady window runs from the
+    # last one's "measuring" to the first exit, as the memory after that is not the whole
+    # set's. A setting whose jobs captured again through their measured steps may have no
+    # steady sample left: then there is no steady peak (not the peak of the samples after
+    # the exits).
+    begin, end = _measured_together(samples, phase)
+    steady = [u for t, u in plain if begin <= t <= end and not any(a <= t <= b for a, b in spans)]
     return {"idle_mb": min(idle) / MB, "peak_all_mb": max(u for _, u in plain) / MB,
             "peak_mb": max(steady) / MB if steady else None}
+
+
+def _measured_together(samples: list[tuple], phase: str) -> tuple[float, float]:
+    """``(last "measuring", first exit)`` of the phase when every job that arrived said
+    ``measuring`` (the barrier of settings whose jobs start together); else no bounds."""
+    events = [(t, e.split(" ", 1)) for p, t, _u, e in samples if p == phase and e]
+    arrived = {job for _t, (kind, job) in events if kind == "arrive"}
+    measuring = {job: t for t, (kind, job) in events if kind == "measuring"}
+    exits = [t for t, (kind, _job) in events if kind == "exit"]
+    if not arrived or arrived - set(measuring):
+        return -math.inf, math.inf
+    return max(measuring.values()), min(exits, default=math.inf)
 
 
 def _msr_above_idle(mem: dict, ref: dict, key: str) -> float | None:
@@ -1104,6 +1123,20 @@ def write_timeline(samples: list[tuple], path: Path) -> None:
     df["t_s"] = df["t_s"].round(4)
     path.parent.mkdir(parents=True, exist_ok=True)
     df[["phase", "t_s", "used_mb", "event"]].to_csv(path, index=False)
+
+
+def read_timeline(path: Path) -> list[tuple]:
+    """The samples :func:`write_timeline` wrote (bytes again, to 0.01 MB)."""
+    import pandas as pd
+    df = pd.read_csv(path, keep_default_na=False, dtype={"event": str, "phase": str})
+    return [(p, float(t), float(u) * MB, e) for p, t, u, e in
+            df[["phase", "t_s", "used_mb", "event"]].itertuples(index=False)]
+
+
+def nvml_msr(samples: list[tuple]) -> float | None:
+    """``msr_nvml`` of a setting from its samples (both phases): see the module notes."""
+    return _msr_above_idle(phase_memory(samples, "tensile"), phase_memory(samples, "vanilla"),
+                           "peak_mb")
 
 
 def plot_timeline(samples: list[tuple], path: Path, title: str, source: str) -> None:

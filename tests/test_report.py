@@ -464,6 +464,18 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert report._allocator_share({"peak_vanilla_mb": 618.0, "idle_vanilla_mb": 618.0}, [{}]) is None
     assert report._allocator_share({"peak_vanilla_mb": 900.0, "idle_vanilla_mb": 600.0},
                                    [{"peak_reserved_vanilla_mb": None}]) is None
+    # With the timelines' folder the NVML MSR is derived again from the run's stored samples
+    # (the current steady-window rule), not taken from the row
+    from experiments.tensile_multi import MB, write_timeline
+    samples = [(ph, t, u * MB, e) for ph in ("vanilla", "tensile") for t, u, e in (
+        (0.0, 600, ""), (0.1, 600, "arrive a"), (0.2, 2000, "ready a"), (0.3, 2000, "measuring a"),
+        (0.4, 1600 if ph == "vanilla" else 1100, ""), (0.5, 600, "exit a"))]
+    write_timeline(samples, tmp_path / "h200" / "t.csv")
+    store.append({**later, "date": "2099-01-02T00:00:00+00:00", "backend": "GPU", "extra": {
+        "msr_nvml": 0.9, "eor": 0.2, "scenario": "copies", "copies": 2, "timeline_csv": "t.csv"}})
+    table = report.tensile_multi_table(report.load_rows(tmp_path / "h200"), timelines=tmp_path / "h200")
+    assert table.loc[0, "MSR (NVML)"] == 0.5            # 1 - (1100-600)/(1600-600), not 0.9
+    assert report.tensile_multi_table(report.load_rows(tmp_path / "h200")).loc[0, "MSR (NVML)"] == 0.9
 
 
 def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():

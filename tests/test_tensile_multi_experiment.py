@@ -451,3 +451,24 @@ def test_a_failed_job_is_named_by_its_exception_not_the_traceback_after_it():
     assert tm._failure(o) == "exit code None: last words"
     o.stderr_tail = ""
     assert tm._failure(o) == "exit code None: no stderr"
+
+
+def test_jobs_measured_together_have_no_steady_peak_after_the_first_exit():
+    """With every job measuring together, samples after the first exit are not the whole
+    set's: a setting whose jobs re-captured through all their measured steps (the H200's
+    MDW run with 13 re-plans) has no steady peak, rather than the peak of the samples after
+    the exits (which gave it an NVML MSR of 0.70)."""
+    mb = tm.MB
+    head = [("tensile", 0.0, 100 * mb, ""), ("tensile", 0.1, 100 * mb, "arrive a"),
+            ("tensile", 0.1, 100 * mb, "arrive b"), ("tensile", 0.3, 900 * mb, "measuring a"),
+            ("tensile", 0.3, 900 * mb, "measuring b"), ("tensile", 0.4, 900 * mb, "")]
+    tail = [("tensile", 0.5, 900 * mb, "exit a"), ("tensile", 0.6, 300 * mb, ""),
+            ("tensile", 0.7, 300 * mb, "exit b")]
+    assert tm.phase_memory(head + tail, "tensile")["peak_mb"] == 900.0
+    recaptured = head + [("tensile", 0.35, 900 * mb, "capture a"),
+                         ("tensile", 0.45, 900 * mb, "captured a")] + tail
+    assert tm.phase_memory(recaptured, "tensile")["peak_mb"] is None
+    # jobs that come and go (no barrier): every steady sample counts, exits or not
+    dynamic = [s for s in head + tail if not s[3].startswith("measuring")] + [
+        ("tensile", 0.3, 900 * mb, "ready a"), ("tensile", 0.3, 900 * mb, "ready b")]
+    assert tm.phase_memory(dynamic, "tensile")["peak_mb"] == 900.0
