@@ -71,7 +71,9 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   includes TENSILE's recording step, which runs at vanilla memory, and the warm-up steps,
   where a captured job's first steps run uncaptured, above its graph's memory; grey in the
   plot) nor, with ``--captured``, in a step that captured a graph: the window in which the
-  allocator peaks are taken too;
+  allocator peaks are taken too; for jobs that measure together, only samples from the last
+  one's first measured step to the first exit count (none left: no steady peak, as in a
+  setting whose jobs re-captured through all their measured steps);
   ``msr_nvml_all`` takes the peak over every sample; ``eor`` = sum of the jobs' mean step times
   tensile / vanilla - 1; ``replans`` = the scheduler's re-plans, ``replan_kinds`` their
   triggers by kind (arrival, departure, first measurement, drift; one re-plan may fold several).
