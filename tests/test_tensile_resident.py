@@ -126,3 +126,28 @@ def test_measure_and_tune_on_the_cpu_do_not_train_and_pick_from_the_bandwidth():
     for b in data[1:]:
         training_step(model, opt, b, LOSS)
     assert_same_training(m0, o0, model, opt)
+
+
+def test_verification_bisects_towards_all_resident_until_the_measured_delay_fits(monkeypatch):
+    """tune_resident's GPU check (_verified), with the captured step's time stood in for: the
+    fewest resident groups whose measured delay fits is found by bisection from the replay's
+    choice, each candidate timed once, and the choice is never below the replay's."""
+    from tensile import resident
+    model, opt, streamed = streamed_model(8, resident=8)
+    every = len(streamed.groups)
+    assert every >= 4 and streamed.resident == every
+    training_step(model, opt, batches(1)[0], LOSS)
+    fits_from = every - 2      # measured delay (ms) by resident groups: <= 0.5 from here on
+    timed = []
+
+    def step_ms(s, *_args):
+        timed.append(s.resident)
+        r = s.resident
+        return 10.0 + (0.0 if r == every else 0.3 if r >= fits_from else 1.0 + fits_from - r)
+    monkeypatch.setattr(resident, "_captured_step_ms", step_ms)
+    k, base, measured = resident._verified(streamed, model, None, LOSS, 0, max_overhead=0.05)
+    assert (k, base) == (fits_from, 10.0) and timed[0] == every   # all resident first: the base
+    assert set(measured) == set(timed[1:]) and len(timed) - 1 <= 1 + every.bit_length()
+    assert measured[0] == pytest.approx(1.0 + fits_from) and measured[fits_from] == pytest.approx(0.3)
+    assert streamed.resident == every                       # the caller sets the choice
+    assert resident._verified(streamed, model, None, LOSS, every - 1, max_overhead=0.05)[0] == every - 1
