@@ -370,6 +370,22 @@ def _reset_peaks(cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def _settle(sched, step: Callable, job_id: str, tries: int = 3) -> None:
+    """Before a captured job measures: take the newest plan and, if its graph does not do
+    what that plan does, capture it now. The plan the last job's first capture asked for
+    (its op times, ``retimed``) reaches the others while they wait at the barrier; without
+    this they captured it inside their measured steps (the H200's five-model runs re-captured
+    through all of them, leaving no steady window). At most ``tries`` steps, unmeasured."""
+    sched.heartbeat()
+    for _ in range(tries):
+        if sched.graph_is_current:
+            return
+        t0 = time.monotonic()
+        step()
+        _emit({"event": "captured", "job": job_id, "t0": t0, "t1": time.monotonic()})
+        sched.heartbeat()
+
+
 def _free(cuda: bool) -> None:
     """Give cached blocks back, so that start-up (recording) memory does not count later."""
     import torch
@@ -501,6 +517,8 @@ def run_job(p: dict) -> dict:
                 if p["barrier"]:  # and all jobs measure together, none still capturing
                     _emit({"event": "warm", "job": p["job_id"]})
                     cmds.wait("measure", tick=sched.heartbeat if sched else None)
+                    if captured and sched is not None:
+                        _settle(sched, step, p["job_id"])
                 _free(cuda)
                 before = sched.report() if sched else None
                 _emit({"event": "measuring", "job": p["job_id"]})

@@ -401,6 +401,13 @@ class Scheduler:
         """The graph :meth:`replay` replays now (None before its first capture)."""
         return self._graph
 
+    @property
+    def graph_is_current(self) -> bool:
+        """Whether the next :meth:`replay` replays the graph it has, without capturing: a
+        graph exists and the current plan is its plan or does what it does."""
+        return self._graph is not None and (self.plan is self._graph_plan
+                                            or self.plan.same_actions(self._graph_plan))
+
     def replay(self, *batch) -> torch.Tensor:
         """One training step as a CUDA graph replay; returns the loss (overwritten by the
         next call).

@@ -472,3 +472,36 @@ def test_jobs_measured_together_have_no_steady_peak_after_the_first_exit():
     dynamic = [s for s in head + tail if not s[3].startswith("measuring")] + [
         ("tensile", 0.3, 900 * mb, "ready a"), ("tensile", 0.3, 900 * mb, "ready b")]
     assert tm.phase_memory(dynamic, "tensile")["peak_mb"] == 900.0
+
+
+def test_a_captured_job_captures_a_plan_that_came_during_the_barrier_before_it_measures(capsys):
+    """_settle: the plan pushed while a job waited at the barrier is captured before its
+    measured steps (a 'captured' span the steady window leaves out); a current graph is
+    not captured again; it gives up after a few tries."""
+    class FakeScheduler:
+        def __init__(self, stale_steps):
+            self.stale, self.beats, self.steps = stale_steps, 0, 0
+
+        def heartbeat(self):
+            self.beats += 1
+
+        @property
+        def graph_is_current(self):
+            return self.steps >= self.stale
+
+        def step(self):
+            self.steps += 1
+
+    s = FakeScheduler(stale_steps=1)
+    tm._settle(s, s.step, "a-1")
+    assert (s.steps, s.beats) == (1, 2)
+    events = [json.loads(ln[len(tm.PREFIX):]) for ln in capsys.readouterr().out.splitlines()
+              if ln.startswith(tm.PREFIX)]
+    assert [e["event"] for e in events] == ["captured"] and events[0]["job"] == "a-1"
+    assert events[0]["t0"] <= events[0]["t1"]
+    current = FakeScheduler(stale_steps=0)
+    tm._settle(current, current.step, "b-1")
+    assert current.steps == 0 and current.beats == 1
+    never = FakeScheduler(stale_steps=99)
+    tm._settle(never, never.step, "c-1", tries=3)
+    assert never.steps == 3

@@ -601,3 +601,25 @@ def test_concatenations_are_rebuilt_from_the_inputs_they_joined_kept_once(monkey
     without = plan(tl, **slow)
     assert not {5, 6, 7, 8} & {r.sid for r in without.recomputes}
     assert p.peak_after <= without.peak_after - 4 * MB
+
+
+def test_a_scheduler_says_whether_its_graph_serves_the_current_plan():
+    """Scheduler.graph_is_current: no graph yet, the graph's own plan, a plan that does the
+    same (only times differ), and one that does something else."""
+    import copy
+    import dataclasses
+    from types import SimpleNamespace
+    from tensile.api import Scheduler
+    tl = _simple()
+    p = plan(tl, d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False, copy_latency_ms=0.0)
+    sched = SimpleNamespace(_graph=None, _graph_plan=None, plan=p)
+    current = lambda: Scheduler.graph_is_current.fget(sched)  # noqa: E731
+    assert not current()                                       # nothing captured yet
+    sched._graph, sched._graph_plan = object(), p
+    assert current()
+    sched.plan = dataclasses.replace(p, iteration_ms=2 * p.iteration_ms)
+    assert current()                                           # same actions: no capture
+    later = copy.deepcopy(p)
+    later.swaps[0].in_issue_op += 1
+    sched.plan = later
+    assert not current()
