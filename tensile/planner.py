@@ -84,8 +84,8 @@ def plan(
         # memory down but spends allowance that other recomputes could use. Keep the best
         # plan of the four: feasible, lower peak, less extra time.
         for swaps, transient in ((True, False), (False, True), (False, False)):
-            if swaps and not allow_swaps:
-                continue
+            if (swaps and not allow_swaps) or (swaps, transient) == (allow_swaps, True):
+                continue   # swaps not allowed, or the plan ``best`` already is
             other = _greedy(*args, allow_swaps=swaps, transient=transient)
             if _rank(other, budget_bytes) < _rank(best, budget_bytes):
                 best = other
