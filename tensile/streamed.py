@@ -176,12 +176,7 @@ class StreamedOptimizer:
         for name, fn in self._original.items():
             setattr(self.optimizer, name, fn)
         del self.optimizer._tensile_streamed
-        self.synchronize()
-        for g in self.groups:
-            for p, key, off, n in g.keys:
-                state = self.optimizer.state[p]
-                state[key] = state[key].to(self.device, copy=True)
-            g.keys, g.host = [], None
+        self._state_to_device(self.groups)
 
     def synchronize(self) -> None:
         """Wait for the state's copies to the host: the host regions are final afterwards.
@@ -199,14 +194,19 @@ class StreamedOptimizer:
                              f"got {resident!r}")
         if self._in_step or (self.cuda and torch.cuda.is_current_stream_capturing()):
             raise RuntimeError("set_resident between steps only, not during a step or a capture")
+        self._state_to_device(self.groups[:resident])
+        self.resident = resident
+        self.home_state()
+
+    def _state_to_device(self, groups: list[_Group]) -> None:
+        """The state of ``groups`` back on the device, their host regions dropped (once the
+        last step's copies to the host are done)."""
         self.synchronize()
-        for g in self.groups[:resident]:   # back on the device, as remove() does
+        for g in groups:
             for p, key, off, n in g.keys:
                 state = self.optimizer.state[p]
                 state[key] = state[key].to(self.device, copy=True)
             g.keys, g.host = [], None
-        self.resident = resident
-        self.home_state()
 
     def homes(self, p: torch.Tensor, key: str) -> bool:
         """Whether state entry ``key`` of parameter ``p`` lives in a host region."""
