@@ -138,7 +138,7 @@ from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, row_key
 from experiments.timing import summarize_ms
 from tensile import server
-from tensile.resident import AUTO
+from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
@@ -210,7 +210,7 @@ class Options:
     stream_prefetch: int = DEFAULT_PREFETCH   # ... its groups copied in ahead
     stream_resident: int | str = 0      # ... its first groups whose state stays on the device,
                                         # or "auto" (tensile.tune_resident, for the setting's jobs)
-    stream_overhead: float = 0.05       # ... with "auto": the delay the streaming may add
+    stream_overhead: float = DEFAULT_STREAM_OVERHEAD   # ... with "auto": the delay the streaming may add
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
 
 
@@ -482,7 +482,7 @@ def run_job(p: dict) -> dict:
             streamed = install_streamed(
                 model, opt, batch, classification_loss, groups=p["stream_optimizer"],
                 prefetch=p.get("stream_prefetch", DEFAULT_PREFETCH),
-                resident=p.get("stream_resident", 0), max_overhead=p.get("stream_overhead", 0.05),
+                resident=p.get("stream_resident", 0), max_overhead=p.get("stream_overhead", DEFAULT_STREAM_OVERHEAD),
                 jobs=p.get("jobs", 1), h2d_bw=p["rates"]["h2d_bw"], d2h_bw=p["rates"]["d2h_bw"])
             tuned = streamed.tuned
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
@@ -1398,9 +1398,9 @@ def _parser() -> argparse.ArgumentParser:
                          "state on the device (default 0), or auto: the fewest whose streaming, "
                          "with all the setting's jobs on one link, delays a step by at most "
                          "--stream-overhead (tensile.tune_resident)")
-    ap.add_argument("--stream-overhead", type=float, default=0.05, metavar="F",
+    ap.add_argument("--stream-overhead", type=float, default=DEFAULT_STREAM_OVERHEAD, metavar="F",
                     help="with --stream-resident auto: the delay allowed, a share of the step "
-                         "(default 0.05)")
+                         f"(default {DEFAULT_STREAM_OVERHEAD})")
     ap.add_argument("--mps", action="store_true",
                     help="the jobs of both phases share the GPU through a private MPS daemon "
                          "(experiments.mps) instead of time slices (cuda only)")

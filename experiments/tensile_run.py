@@ -44,7 +44,7 @@ from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
 from tensile.planner import COPY_LATENCY_MS
 from tensile.step import training_step
-from tensile.resident import AUTO
+from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.streamed import DEFAULT_PREFETCH
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def validate(cfg, models: dict) -> None:
     if rs != AUTO and (not isinstance(rs, int) or isinstance(rs, bool) or rs < 0 or (so and rs > so)):
         raise ConfigError(f"experiment.stream_resident must be a number of groups from 0 to "
                           f"stream_optimizer, or {AUTO!r}, got {rs!r} (stream_optimizer={so!r})")
-    sov = exp.get("stream_overhead", 0.05)
+    sov = exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
@@ -208,7 +208,7 @@ def stream_opts(exp) -> dict[str, Any]:
     return {"stream_optimizer": int(exp.stream_optimizer),
             "stream_prefetch": int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
             "stream_resident": _resident(exp),
-            "stream_overhead": float(exp.get("stream_overhead", 0.05))}
+            "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD))}
 
 
 def stream_knobs(name: str, exp) -> list[str]:
@@ -216,11 +216,11 @@ def stream_knobs(name: str, exp) -> list[str]:
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
     return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
-                        _resident(exp), float(exp.get("stream_overhead", 0.05)))
+                        _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)))
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
-                 overhead: float = 0.05) -> list[str]:
+                 overhead: float = DEFAULT_STREAM_OVERHEAD) -> list[str]:
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
     unless 1 (rows from before the default became 2 meant 1), resident unless 0, and with
     ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`). Also

@@ -61,7 +61,7 @@ from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
-from .resident import install_streamed
+from .resident import DEFAULT_STREAM_OVERHEAD, install_streamed
 from .streamed import DEFAULT_PREFETCH
 
 __all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
@@ -324,7 +324,7 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
                     stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int | str = 0,
-                    stream_overhead: float = 0.05, stream_jobs: int = 1) -> StepFn:
+                    stream_overhead: float = DEFAULT_STREAM_OVERHEAD, stream_jobs: int = 1) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
@@ -340,7 +340,7 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
 
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
-                   stream_resident: int | str = 0, stream_overhead: float = 0.05,
+                   stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
                    stream_jobs: int = 1, **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":

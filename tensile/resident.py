@@ -49,9 +49,11 @@ from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 
 __all__ = ["UpdateTimes", "measure_update_times", "streaming_delay_ms", "choose_resident",
-           "tune_resident", "install_streamed", "AUTO"]
+           "tune_resident", "install_streamed", "AUTO", "DEFAULT_STREAM_OVERHEAD"]
 
 AUTO = "auto"   # resident="auto": install_streamed chooses (tune_resident)
+# The delay the streaming may add by default, a fraction of the step.
+DEFAULT_STREAM_OVERHEAD = 0.05
 
 
 @dataclass
@@ -154,7 +156,7 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
 
 
 def tune_resident(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
-                  loss_fn: Callable | None, *, max_overhead: float = 0.05, jobs: int = 1,
+                  loss_fn: Callable | None, *, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
                   h2d_bw: float | None = None, d2h_bw: float | None = None,
                   latency_ms: float = COPY_LATENCY_MS, verify: bool = True) -> int:
     """Measure, choose and set ``streamed``'s resident groups; returns how many stay.
@@ -221,7 +223,7 @@ def _verified(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
 
 def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
                      loss_fn: Callable | None, *, groups: int, prefetch: int,
-                     resident: int | str = 0, max_overhead: float = 0.05, jobs: int = 1,
+                     resident: int | str = 0, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
                      h2d_bw: float | None = None, d2h_bw: float | None = None) -> StreamedOptimizer:
     """:func:`tensile.stream_optimizer` with ``resident`` a number of groups, or ``"auto"``:
     then every group starts resident, one training step creates the optimizer's state
