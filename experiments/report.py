@@ -600,9 +600,11 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
     ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse. A setting
     measured in several runs shows its latest (the ``run`` column); earlier runs stay in the
     CSV. A run's job rows carry its GPU row's date. With ``timelines`` (the folder of the
-    runs' memory timelines) the NVML MSR is derived again from the run's timeline by the
-    current rule (:func:`experiments.tensile_multi.nvml_msr`), else it is the row's."""
-    from experiments.tensile_multi import nvml_msr, read_timeline
+    runs' memory timelines) the device-level memory figures (NVML MSR, idle and steady peaks,
+    and from them the allocator share and what lies outside the allocators) are derived again
+    from the run's timeline by the current rule (:func:`experiments.tensile_multi.memory_figures`),
+    else they are the row's."""
+    from experiments.tensile_multi import memory_figures, read_timeline
     rows = df[df["experiment"] == "tensile_multi"]
     gpu_rows = rows[rows["backend"] == "GPU"].sort_values("date")
     out = []
@@ -616,9 +618,9 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
             vals = [x[key] for x in extras if x.get(key) is not None]
             return round(float(np.mean(vals)), 3) if vals else None
 
-        msr, eor = e.get("msr_nvml"), e.get("eor")
         if timelines is not None and e.get("timeline_csv") and (timelines / e["timeline_csv"]).exists():
-            msr = nvml_msr(read_timeline(timelines / e["timeline_csv"]))
+            e = {**e, **memory_figures(read_timeline(timelines / e["timeline_csv"]))}
+        msr, eor = e.get("msr_nvml"), e.get("eor")
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
                 "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),

@@ -143,7 +143,7 @@ from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
            "MemorySampler", "run_phase", "phase_memory", "write_timeline", "read_timeline",
-           "nvml_msr", "plot_timeline",
+           "memory_figures", "plot_timeline",
            "run_setting", "run", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1035,12 +1035,11 @@ def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]],
     ``--captured`` also every step that captured a graph (its timing graphs and warm-up
     live next to the graph it replaces)."""
     plain = [(t, u) for p, t, u, e in samples if p == phase and not e]
-    events = sorted((t, e) for p, t, _u, e in samples if p == phase and e)
-    measured = {e.split(" ", 1)[1] for _t, e in events if e.startswith("measuring ")}
+    events = _events(samples, phase)
+    measured = {job for _t, kind, job in events if kind == "measuring"}
     starts: dict[str, float] = {}
     spans = []
-    for t, e in events:
-        kind, job = e.split(" ", 1)
+    for t, kind, job in events:
         if kind == "arrive":
             starts[job] = t
         elif job in starts and (kind == "exit" or kind == ("measuring" if job in measured else "ready")):
@@ -1072,13 +1071,19 @@ def phase_memory(samples: list[tuple], phase: str) -> dict[str, float | None]:
             "peak_mb": max(steady) / MB if steady else None}
 
 
+def _events(samples: list[tuple], phase: str) -> list[tuple[float, str, str]]:
+    """The phase's events in time order, as ``(t, kind, job)`` ("arrive a-1" → arrive, a-1)."""
+    return [(t, *e.split(" ", 1)) for t, e in sorted((t, e) for p, t, _u, e in samples
+                                                    if p == phase and e)]
+
+
 def _measured_together(samples: list[tuple], phase: str) -> tuple[float, float]:
     """``(last "measuring", first exit)`` of the phase when every job that arrived said
     ``measuring`` (the barrier of settings whose jobs start together); else no bounds."""
-    events = [(t, e.split(" ", 1)) for p, t, _u, e in samples if p == phase and e]
-    arrived = {job for _t, (kind, job) in events if kind == "arrive"}
-    measuring = {job: t for t, (kind, job) in events if kind == "measuring"}
-    exits = [t for t, (kind, _job) in events if kind == "exit"]
+    events = _events(samples, phase)
+    arrived = {job for _t, kind, job in events if kind == "arrive"}
+    measuring = {job: t for t, kind, job in events if kind == "measuring"}
+    exits = [t for t, kind, _job in events if kind == "exit"]
     if not arrived or arrived - set(measuring):
         return -math.inf, math.inf
     return max(measuring.values()), min(exits, default=math.inf)
@@ -1094,28 +1099,22 @@ def _msr_above_idle(mem: dict, ref: dict, key: str) -> float | None:
 def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: MemorySampler,
              reasons: list[str], opts: Options, files: dict[str, str]) -> dict:
     """The setting's device-level row (``backend`` = GPU)."""
-    van, ten = phase_memory(sampler.samples, "vanilla"), phase_memory(sampler.samples, "tensile")
+    mem = memory_figures(sampler.samples, opts.memory_gb)
     models = list(dict.fromkeys(j.model for j in setting.jobs))
     both = [j.job_id for j in setting.jobs
             if outs["vanilla"][j.job_id].result and outs["tensile"][j.job_id].result]
     mean = lambda ph: sum(_job_summary(outs[ph][j].result)["mean"] for j in both)  # noqa: E731
     eor = mean("tensile") / mean("vanilla") - 1 if both else None
-    msr = _msr_above_idle(ten, van, "peak_mb")
+    msr = mem["msr_nvml"]
     extra = {"scenario": setting.scenario, "setting": setting.label, "job": "GPU",
              "copies": setting.copies, "jobs": [j.job_id for j in setting.jobs],
-             "memory_source": sampler.source, "msr_nvml": msr,
-             "msr_nvml_all": _msr_above_idle(ten, van, "peak_all_mb"),
+             "memory_source": sampler.source, **mem,
              "eor": eor, "cbr": msr / eor if msr is not None and eor and eor > 0 else None,
              "replans": len(reasons), "replan_kinds": _reason_kinds(reasons),
              "replan_reasons": reasons[:50], "budget_bytes": opts.budget_bytes,
              "memory_gb": opts.memory_gb, **files}
     if sampler.source == "rss":
         extra["memory_note"] = "CPU smoke run: summed RSS of the job processes, not GPU memory"
-    for name, mem in (("vanilla", van), ("tensile", ten)):
-        extra.update({f"{k.removesuffix('_mb')}_{name}_mb": None if v is None else round(v, 1)
-                      for k, v in mem.items()})
-        if opts.memory_gb is not None and mem["peak_all_mb"] is not None:
-            extra[f"fits_memory_gb_{name}"] = mem["peak_all_mb"] <= opts.memory_gb * 1024
     failed = [j.job_id for j in setting.jobs if j.job_id not in both]
     status, reason = "ok", ""
     if failed:
@@ -1125,7 +1124,7 @@ def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: 
         status, reason = "error", "no memory samples outside the jobs' start-ups"
     return {"model": "+".join(models), "backend": "GPU", "status": status, "reason": reason,
             "warmup": opts.warmup, "iters": opts.iters,
-            "peak_mem_mb": None if ten["peak_mb"] is None else round(ten["peak_mb"], 1),
+            "peak_mem_mb": mem["peak_tensile_mb"],
             "extra": extra}
 
 
@@ -1153,10 +1152,20 @@ def read_timeline(path: Path) -> list[tuple]:
             df[["phase", "t_s", "used_mb", "event"]].itertuples(index=False)]
 
 
-def nvml_msr(samples: list[tuple]) -> float | None:
-    """``msr_nvml`` of a setting from its samples (both phases): see the module notes."""
-    return _msr_above_idle(phase_memory(samples, "tensile"), phase_memory(samples, "vanilla"),
-                           "peak_mb")
+def memory_figures(samples: list[tuple], memory_gb: float | None = None) -> dict[str, Any]:
+    """A setting's device-level memory figures from its samples (both phases; see the
+    module notes): ``msr_nvml``, ``msr_nvml_all`` and, per phase, ``idle_<phase>_mb``,
+    ``peak_<phase>_mb`` and ``peak_all_<phase>_mb`` (MiB, to 0.1); with ``memory_gb`` (the
+    emulated GPU) also ``fits_memory_gb_<phase>``: whether the phase's peak fitted it."""
+    van, ten = phase_memory(samples, "vanilla"), phase_memory(samples, "tensile")
+    out: dict[str, Any] = {"msr_nvml": _msr_above_idle(ten, van, "peak_mb"),
+                           "msr_nvml_all": _msr_above_idle(ten, van, "peak_all_mb")}
+    for name, mem in (("vanilla", van), ("tensile", ten)):
+        out.update({f"{k.removesuffix('_mb')}_{name}_mb": None if v is None else round(v, 1)
+                    for k, v in mem.items()})
+        if memory_gb is not None and mem["peak_all_mb"] is not None:
+            out[f"fits_memory_gb_{name}"] = mem["peak_all_mb"] <= memory_gb * 1024
+    return out
 
 
 def plot_timeline(samples: list[tuple], path: Path, title: str, source: str) -> None:

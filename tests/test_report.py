@@ -471,10 +471,17 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
         (0.0, 600, ""), (0.1, 600, "arrive a"), (0.2, 2000, "ready a"), (0.3, 2000, "measuring a"),
         (0.4, 1600 if ph == "vanilla" else 1100, ""), (0.5, 600, "exit a"))]
     write_timeline(samples, tmp_path / "h200" / "t.csv")
-    store.append({**later, "date": "2099-01-02T00:00:00+00:00", "backend": "GPU", "extra": {
-        "msr_nvml": 0.9, "eor": 0.2, "scenario": "copies", "copies": 2, "timeline_csv": "t.csv"}})
+    latest = {**later, "date": "2099-01-02T00:00:00+00:00"}
+    store.append({**latest, "backend": "GPU", "extra": {       # figures of an older rule
+        "msr_nvml": 0.9, "eor": 0.2, "scenario": "copies", "copies": 2, "timeline_csv": "t.csv",
+        "peak_vanilla_mb": 1600.0, "idle_vanilla_mb": 600.0, "peak_tensile_mb": 100.0,
+        "idle_tensile_mb": 600.0}})
+    store.append({**latest, "backend": "resnet50-1", "extra": {
+        "peak_reserved_vanilla_mb": 600.0, "peak_reserved_tensile_mb": 300.0}})
     table = report.tensile_multi_table(report.load_rows(tmp_path / "h200"), timelines=tmp_path / "h200")
     assert table.loc[0, "MSR (NVML)"] == 0.5            # 1 - (1100-600)/(1600-600), not 0.9
+    # and what lies outside the allocators from the same peaks: 1000-600 → 500-300, not → -800
+    assert table.loc[0, "outside allocators MB"] == "400 → 200"
     assert report.tensile_multi_table(report.load_rows(tmp_path / "h200")).loc[0, "MSR (NVML)"] == 0.9
 
 
