@@ -46,7 +46,7 @@ from .estimate import measure_copy_bandwidth
 from .graph import warmup_stream
 from .planner import COPY_LATENCY_MS
 from .step import training_step
-from .streamed import StreamedOptimizer, stream_optimizer
+from .streamed import StreamedOptimizer, _streamed_key, stream_optimizer
 
 __all__ = ["UpdateTimes", "measure_update_times", "streaming_delay_ms", "choose_resident",
            "tune_resident", "install_streamed", "AUTO", "DEFAULT_STREAM_OVERHEAD"]
@@ -140,7 +140,7 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
         raise ValueError("the optimizer has no state yet: run one training step first")
     group_bytes = [sum(v.numel() * v.element_size() for p in g.params
                        for key, v in streamed.optimizer.state.get(p, {}).items()
-                       if key != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape)
+                       if _streamed_key(p, key, v))   # what home_state would stream
                    for g in streamed.groups]
     with _kept(model, streamed.optimizer):
         if not streamed.cuda:
