@@ -43,7 +43,7 @@ from nimble.capture import _event_gap_ms
 from nimble.training import put_back_step_state, save_step_state, step_state_kept
 
 from .estimate import measure_copy_bandwidth
-from .graph import warmup_stream
+from .graph import GraphStep, warmup_stream
 from .planner import COPY_LATENCY_MS
 from .step import training_step
 from .streamed import StreamedOptimizer, _streamed_key, stream_optimizer
@@ -293,61 +293,45 @@ def _event_marks(streamed, model, batch, loss_fn) -> list[float]:
     return _ordered(marks, len(streamed.groups), start.elapsed_time(end))
 
 
-def _capture(streamed, model, batch, loss_fn, mark=None):
-    """One training step captured into a CUDA graph, between two timing events (``mark``:
-    :class:`StreamedOptimizer`'s timing hook during the capture). After a warm-up step on
-    the capture's side stream, as ``torch.cuda.graph`` requires; both train (callers keep
-    the state, :func:`_kept`)."""
-    side = warmup_stream(streamed.device)
-    side.wait_stream(torch.cuda.current_stream(streamed.device))
-    with torch.cuda.stream(side):
-        training_step(model, streamed.optimizer, batch, loss_fn)
-    torch.cuda.current_stream(streamed.device).wait_stream(side)
-    torch.cuda.synchronize(streamed.device)
-    start = torch.cuda.Event(enable_timing=True, external=True)
-    end = torch.cuda.Event(enable_timing=True, external=True)
-    graph = torch.cuda.CUDAGraph()
-    streamed._marks = mark
-    try:
-        with torch.cuda.graph(graph, stream=side):
-            start.record()
-            training_step(model, streamed.optimizer, batch, loss_fn)
-            end.record()
-    finally:
-        streamed._marks = None
-    return graph, start, end, side
-
-
-def _captured_step_ms(streamed, model, batch, loss_fn, replays: int = 20) -> float:
-    """Median replay time (ms) of the step captured as ``streamed`` is set now."""
-    with _kept(model, streamed.optimizer):
-        graph, start, end, _ = _capture(streamed, model, batch, loss_fn)
-        for _ in range(3):
-            graph.replay()
-        samples = []
-        for _ in range(replays):
-            graph.replay()
-            torch.cuda.synchronize(streamed.device)
-            samples.append(start.elapsed_time(end))
-        del graph
+def _captured_step_ms(streamed, model, batch, loss_fn) -> float:
+    """Replay time (ms) of the step captured as ``streamed`` is set now
+    (:meth:`tensile.GraphStep.replay_ms`, which puts the state back)."""
+    graph = GraphStep(lambda b, capturing: training_step(model, streamed.optimizer, b, loss_fn),
+                      batch, model, streamed.optimizer)
+    ms = graph.replay_ms()
+    del graph
     torch.cuda.empty_cache()   # the graph's private pool
-    return sorted(samples)[len(samples) // 2]
+    return ms
 
 
 def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[float]]:
-    """As :func:`_event_marks`, inside one CUDA graph of the step, replayed ``repeats`` times
-    (the graph runs its kernels back to back: no host gaps count)."""
+    """As :func:`_event_marks`, inside one CUDA graph of the step (:class:`tensile.GraphStep`),
+    replayed ``repeats`` times (the graph runs its kernels back to back: no host gaps count)."""
     events: dict = {}
+    start = torch.cuda.Event(enable_timing=True, external=True)
+    end = torch.cuda.Event(enable_timing=True, external=True)
 
     def mark(what):
         e = torch.cuda.Event(enable_timing=True, external=True)
         e.record(torch.cuda.current_stream(streamed.device))
         events.setdefault(what, e)
-    graph, start, end, side = _capture(streamed, model, batch, loss_fn, mark)
-    gap = _event_gap_ms(side)
+
+    def step(b, capturing):   # the warm-up runs plain; the capture records the marks
+        if not capturing:
+            return training_step(model, streamed.optimizer, b, loss_fn)
+        start.record()
+        streamed._marks = mark
+        try:
+            loss = training_step(model, streamed.optimizer, b, loss_fn)
+        finally:
+            streamed._marks = None
+        end.record()
+        return loss
+    graph = GraphStep(step, batch, model, streamed.optimizer)
+    gap = _event_gap_ms(warmup_stream(streamed.device))   # the stream GraphStep captures on
     runs = []
     for _ in range(repeats):
-        graph.replay()
+        graph.graph.replay()
         torch.cuda.synchronize(streamed.device)
         marks = {k: max(start.elapsed_time(e) - gap, 0.0) for k, e in events.items()}
         runs.append(_ordered(marks, len(streamed.groups), start.elapsed_time(end)))
