@@ -2,7 +2,8 @@
 "nimble-mem" (multi-stream within 1.2x of eager's peak memory, fewer streams where needed),
 "nimble-split" (training: convolution weight gradients on side streams), "nimble-cl" (multi-stream,
 module in channels-last memory format), "nimble-prio" (the critical path's streams at high
-priority), "nimble-inductor" (Inductor-compiled segments on Nimble's streams).
+priority), "nimble-inductor" (Inductor-compiled segments on Nimble's streams), "nimble-select"
+(each convolution on the faster of cuDNN and PyTorch's native kernels).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -32,6 +33,7 @@ class NimbleBackend(Backend):
     split_conv_backward = False
     channels_last = False
     prioritize_critical = False
+    select_convs = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -48,7 +50,8 @@ class NimbleBackend(Backend):
                                      max_streams=self.max_streams, memory_limit=limit,
                                      split_conv_backward=self.split_conv_backward,
                                      channels_last=self.channels_last,
-                                     prioritize_critical=self.prioritize_critical)
+                                     prioritize_critical=self.prioritize_critical,
+                                     select_convs=self.select_convs)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -91,7 +94,7 @@ def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:
     fn.nimble = fast
     fn.extra = {
         "ops": st.num_ops, "streams": st.num_streams, "syncs": st.num_syncs,
-        "folded_conv_bn": st.folded_conv_bn,
+        "folded_conv_bn": st.folded_conv_bn, "native_convs": st.native_convs,
         "graph_mem_mb": round(st.graph_total_bytes / MB, 1),
         "graph_pool_mb": round(st.graph_pool_bytes / MB, 1),
         "eager_peak_mb": round(st.eager_peak_bytes / MB, 1),
@@ -147,6 +150,16 @@ class NimbleChannelsLastBackend(NimbleBackend):
     channels_last = True
 
 
+class NimbleSelectBackend(NimbleBackend):
+    """Multi-stream, each convolution on the faster of cuDNN and PyTorch's native kernels for
+    its real input (``Nimble.prepare(select_convs=True)``, the paper's conv selection).
+    Inference only: the backward kernels are not timed."""
+
+    name = "nimble-select"
+    select_convs = True
+    supports_training = False
+
+
 class NimbleAutoBackend(NimbleBackend):
     """The plan's streams or one stream, whichever replays faster on the example input:
     inference (``prepare(use_multi_stream="auto")``) and whole-step training
@@ -191,3 +204,4 @@ register_backend("nimble-cl", NimbleChannelsLastBackend)
 register_backend("nimble-prio", NimblePriorityBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)
 register_backend("nimble-auto", NimbleAutoBackend)
+register_backend("nimble-select", NimbleSelectBackend)

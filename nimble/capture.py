@@ -43,6 +43,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
+from .convsel import select_conv_kernels
+from .convsel import summarize as summarize_conv_choices
 from .passes import channels_last_inputs, fold_conv_bn, to_channels_last
 from .priority import NodePriorityGraph
 from .streams import (StreamPlan, assign_streams, critical_path, critical_streams,
@@ -67,6 +69,7 @@ class PrepareStats:
     num_streams: int = 1
     num_syncs: int = 0
     folded_conv_bn: int = 0
+    native_convs: int = 0            # Conv2d moved off cuDNN by select_convs
     prepare_s: float = 0.0
     plan_s: float = 0.0
     capture_s: float = 0.0
@@ -227,7 +230,7 @@ class Nimble:
                 return_copies: bool = False, max_streams: int | None = None,
                 memory_limit: float | None = None,
                 split_conv_backward: bool = False, channels_last: bool = False,
-                prioritize_critical: bool = False) -> "Nimble":
+                prioritize_critical: bool = False, select_convs: bool = False) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -262,12 +265,19 @@ class Nimble:
                 the module in channels-last (NHWC)
                 memory format; calls still take ordinary tensors (the copy into the static
                 input converts them) and outputs keep the layout the module gives them.
+            select_convs: (inference) time each ``Conv2d`` through cuDNN and through
+                PyTorch's native kernels on its real input and keep the faster
+                (:mod:`nimble.convsel`, the paper's conv selection; on a copy, after
+                folding and layout). ``stats.native_convs`` counts those moved off cuDNN.
         """
         start = time.perf_counter()
         if memory_limit is not None and not memory_limit > 0:
             raise NimbleError(f"memory_limit must be a positive multiple of eager's peak, "
                               f"got {memory_limit!r}")
         check_stream_choice(use_multi_stream)
+        if select_convs and training:
+            raise NimbleError("select_convs times inference convolutions only; a training "
+                              "capture's backward kernels are not timed")
         if use_multi_stream == "auto" and training:
             raise NimbleError("use_multi_stream='auto' times whole graphs: for training it is an "
                               "option of prepare_step (the whole step), not of prepare(training=True)")
@@ -299,6 +309,10 @@ class Nimble:
         if channels_last:   # after folding: the folded weights are converted too
             module, inputs = to_channels_last(module, inputs)
             self.stats.notes.append("channels_last: module and static inputs in NHWC")
+        if select_convs:    # last: the timings are for the weights and layout that will run
+            module, choices = select_conv_kernels(module, inputs)
+            self.stats.native_convs = sum(c.count for c in choices if c.native)
+            self.stats.notes.append(summarize_conv_choices(choices))
         self._run_module = module
         self._count_weights()
 

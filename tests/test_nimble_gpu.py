@@ -185,6 +185,23 @@ def test_channels_last_matches_eager_and_leaves_the_module_alone(name):
         assert rel_err(fast(x), ref) < TOL, (name, seed)
 
 
+@pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0", "inception_v3"])
+def test_conv_selection_matches_eager_and_leaves_the_module_alone(name):
+    from nimble.convsel import NativeConv2d
+    model = build_model(name).cuda().eval()
+    fast = Nimble(model).prepare(example_input(name, 1, "cuda"), select_convs=True)
+    assert not any(isinstance(m, NativeConv2d) for m in model.modules())
+    moved = sum(isinstance(m, NativeConv2d) for m in fast._run_module.modules())
+    assert moved == fast.stats.native_convs
+    assert any(n.startswith(f"conv selection: {moved} of ") for n in fast.stats.notes)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = example_input(name, 1, "cuda").normal_()
+        with torch.no_grad():
+            ref = model(x)
+        assert rel_err(fast(x), ref) < TOL, (name, seed)
+
+
 def test_channels_last_is_refused_for_training():
     model = build_model("mobilenet_v2").cuda()
     with pytest.raises(NimbleError, match="prepare\\(training=True\\) does not take channels_last"):
