@@ -156,6 +156,7 @@ IMAGE_SIZE = {"cuda": 224, "cpu": 32}
 LR = 1e-3                   # Adam, as conf/experiment/tensile.yaml
 STEADY_TOLERANCE = 0.10     # "settled": within 10 % of the measured median
 SAMPLE_EVERY_S = 0.02
+MAX_SETTLE_ROUNDS = 4      # barrier rounds in which captured jobs take the newest plan
 PREFIX = "TENSILE_MULTI "   # marks the job's JSON lines on stdout (libraries may print too)
 MB = 2**20
 
@@ -370,20 +371,25 @@ def _reset_peaks(cuda: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def _settle(sched, step: Callable, job_id: str, tries: int = 3) -> None:
+def _settle(sched, step: Callable, job_id: str, tries: int = 3) -> int:
     """Before a captured job measures: take the newest plan and, if its graph does not do
-    what that plan does, capture it now. The plan the last job's first capture asked for
-    (its op times, ``retimed``) reaches the others while they wait at the barrier; without
-    this they captured it inside their measured steps (the H200's five-model runs re-captured
-    through all of them, leaving no steady window). At most ``tries`` steps, unmeasured."""
+    what that plan does, capture it now; returns how many steps captured (at most
+    ``tries``, unmeasured). A job's first capture re-times its ops (``retimed``) and so
+    re-plans every job; the harness repeats the round until none captured
+    (:data:`MAX_SETTLE_ROUNDS`), so that all jobs measure together with the graphs of one
+    plan (on the H200 the five-model runs re-captured inside their measured steps, and the
+    jobs that had nothing to capture measured and left before the others began)."""
     sched.heartbeat()
+    captures = 0
     for _ in range(tries):
         if sched.graph_is_current:
-            return
+            break
         t0 = time.monotonic()
         step()
+        captures += 1
         _emit({"event": "captured", "job": job_id, "t0": t0, "t1": time.monotonic()})
         sched.heartbeat()
+    return captures
 
 
 def _free(cuda: bool) -> None:
@@ -427,9 +433,16 @@ class _Commands:
 
     def wait(self, word: str, tick=None) -> None:
         """Block until ``word`` comes, calling ``tick()`` about every second meanwhile."""
-        while not self.seen(word):
+        self.wait_any((word,), tick)
+
+    def wait_any(self, words: Sequence[str], tick=None) -> str:
+        """Block until one of ``words`` comes (returned), calling ``tick()`` meanwhile."""
+        while True:
+            for word in words:
+                if self.seen(word):
+                    return word
             if self.eof:
-                raise RuntimeError(f"the harness closed this job's input before {word!r}")
+                raise RuntimeError(f"the harness closed this job's input before {' or '.join(map(repr, words))}")
             self._poll(1.0)
             if tick is not None:
                 tick()
@@ -446,7 +459,8 @@ def run_job(p: dict) -> dict:
     ``p["until_stop"]`` it trains on until ``stop`` comes. After its ``p["warmup"]`` steps
     it says ``warm`` and, with ``p["barrier"]``, waits for ``measure`` (all jobs start their
     measured steps together: no job's warm-up or capture runs beside another's measured
-    steps), then says ``measuring``.
+    steps), then says ``measuring``. Meanwhile each ``settle`` makes a captured job capture
+    the newest plan if its graph is not current (:func:`_settle`); it answers ``settled``.
     """
     import torch
 
@@ -516,9 +530,10 @@ def run_job(p: dict) -> dict:
             if i == p["warmup"]:  # measured steps from here: fresh peaks and counters
                 if p["barrier"]:  # and all jobs measure together, none still capturing
                     _emit({"event": "warm", "job": p["job_id"]})
-                    cmds.wait("measure", tick=sched.heartbeat if sched else None)
-                    if captured and sched is not None:
-                        _settle(sched, step, p["job_id"])
+                    tick = sched.heartbeat if sched else None
+                    while cmds.wait_any(("settle", "measure"), tick) == "settle":
+                        n = _settle(sched, step, p["job_id"]) if captured and sched else 0
+                        _emit({"event": "settled", "job": p["job_id"], "captures": n})
                 _free(cuda)
                 before = sched.report() if sched else None
                 _emit({"event": "measuring", "job": p["job_id"]})
@@ -726,6 +741,8 @@ class JobOutcome:
     arrived: bool = False         # told to go
     ready: bool = False           # on the device (registered, under TENSILE)
     warm: bool = False            # done its warm-up steps, waiting to measure (barrier)
+    settled: int = 0              # settle rounds answered (barrier of captured jobs)
+    settle_captures: int = 0      # graphs it captured in the last round it answered
     lead_steps_at_ready: int | None = None   # steps of job 0 when this one was ready
     steps: int = 0
     exited: bool = False
@@ -810,9 +827,7 @@ def _advance(setting: Setting, outs: list[JobOutcome], sampler: MemorySampler,
                 _command(o, "go")
             flags["started"] = True
         elif flags.get("started") and not flags.get("measuring") and all(o.warm or o.exited for o in outs):
-            for o in live:
-                _command(o, "measure")
-            flags["measuring"] = True
+            _settle_or_measure(live, sampler, flags)
         return
     lead = outs[0]
     k = next((i for i, o in enumerate(outs) if not o.arrived), None)
@@ -833,6 +848,24 @@ def _advance(setting: Setting, outs: list[JobOutcome], sampler: MemorySampler,
             for o in live:
                 _command(o, "stop")
             flags["stopped"] = True
+
+
+def _settle_or_measure(live: list[JobOutcome], sampler: MemorySampler, flags: dict) -> None:
+    """Every job is warm: rounds of ``settle`` until a round in which no job captured (or
+    :data:`MAX_SETTLE_ROUNDS`), then ``measure`` for all. A round ends when every live job
+    has answered it; a capture may re-plan the others, hence the next round."""
+    round_ = flags.get("settle_round", 0)
+    if round_ and not all(o.settled >= round_ for o in live):
+        return                                  # the round is still running
+    if round_ and (round_ >= MAX_SETTLE_ROUNDS or not any(o.settle_captures for o in live)):
+        for o in live:
+            _command(o, "measure")
+        flags["measuring"] = True
+        return
+    flags["settle_round"] = round_ + 1
+    sampler.mark(f"settle round{round_ + 1}")
+    for o in live:
+        _command(o, "settle")
 
 
 def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Path,
@@ -908,6 +941,8 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
                 o.steps = msg["i"] + 1
             elif event == "warm":
                 o.warm = True
+            elif event == "settled":
+                o.settled, o.settle_captures = o.settled + 1, msg["captures"]
             elif event == "measuring":
                 sampler.mark(f"measuring {jid}")
             elif event == "captured":

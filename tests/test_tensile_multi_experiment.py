@@ -493,15 +493,66 @@ def test_a_captured_job_captures_a_plan_that_came_during_the_barrier_before_it_m
             self.steps += 1
 
     s = FakeScheduler(stale_steps=1)
-    tm._settle(s, s.step, "a-1")
+    assert tm._settle(s, s.step, "a-1") == 1
     assert (s.steps, s.beats) == (1, 2)
     events = [json.loads(ln[len(tm.PREFIX):]) for ln in capsys.readouterr().out.splitlines()
               if ln.startswith(tm.PREFIX)]
     assert [e["event"] for e in events] == ["captured"] and events[0]["job"] == "a-1"
     assert events[0]["t0"] <= events[0]["t1"]
     current = FakeScheduler(stale_steps=0)
-    tm._settle(current, current.step, "b-1")
+    assert tm._settle(current, current.step, "b-1") == 0
     assert current.steps == 0 and current.beats == 1
     never = FakeScheduler(stale_steps=99)
-    tm._settle(never, never.step, "c-1", tries=3)
+    assert tm._settle(never, never.step, "c-1", tries=3) == 3
     assert never.steps == 3
+
+
+def test_warm_jobs_settle_in_rounds_until_none_captures_then_measure_together():
+    """The harness side of the barrier: a round of 'settle' goes to every live job; the next
+    starts only when all have answered; a round without captures (or the last allowed one)
+    is followed by 'measure' for all."""
+    class Pipe:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines.append(text.strip())
+
+        def flush(self):
+            pass
+
+    class Marks:
+        def __init__(self):
+            self.events = []
+
+        def mark(self, event):
+            self.events.append(event)
+
+    def job(name):
+        o = tm.JobOutcome(tm.JobSpec(name, "m", 10))
+        o.proc = type("P", (), {"stdin": Pipe()})()
+        o.warm = True
+        return o
+
+    a, b = job("a-1"), job("b-1")
+    marks, flags = Marks(), {}
+    tm._settle_or_measure([a, b], marks, flags)
+    assert a.proc.stdin.lines == b.proc.stdin.lines == ["settle"] and marks.events == ["settle round1"]
+    a.settled, a.settle_captures = 1, 1
+    tm._settle_or_measure([a, b], marks, flags)          # b has not answered: wait
+    assert b.proc.stdin.lines == ["settle"]
+    b.settled, b.settle_captures = 1, 0
+    tm._settle_or_measure([a, b], marks, flags)          # a captured: another round
+    assert a.proc.stdin.lines == ["settle", "settle"] and flags["settle_round"] == 2
+    a.settled, a.settle_captures, b.settled = 2, 0, 2
+    tm._settle_or_measure([a, b], marks, flags)
+    assert a.proc.stdin.lines[-1] == b.proc.stdin.lines[-1] == "measure" and flags["measuring"]
+    # a job that keeps capturing: measured anyway after MAX_SETTLE_ROUNDS rounds
+    c, flags = job("c-1"), {}
+    for r in range(1, tm.MAX_SETTLE_ROUNDS + 1):
+        tm._settle_or_measure([c], marks, flags)
+        assert c.proc.stdin.lines[-1] == "settle"
+        c.settled, c.settle_captures = r, 1
+    tm._settle_or_measure([c], marks, flags)
+    assert c.proc.stdin.lines.count("settle") == tm.MAX_SETTLE_ROUNDS
+    assert c.proc.stdin.lines[-1] == "measure"
