@@ -178,6 +178,45 @@ def test_auto_keeps_the_faster_capture_and_its_state(monkeypatch):
         assert fast.stats.notes[-1].endswith("kept the streams" if kept == "multi" else "kept one stream")
 
 
+def test_select_convs_keeps_the_faster_whole_graph(monkeypatch):
+    """select_convs on stand-ins for the two captures: the graph with the selection is raced
+    against the one with every conv on cuDNN; the faster keeps its module, outputs and stats;
+    the loser's pool is released and native_convs is 0 when cuDNN wins."""
+    import nimble.capture as capture
+
+    class FakeGraph:
+        def __init__(self, ms):
+            self.ms, self.released = ms, False
+
+        def reset(self):
+            self.released = True
+
+    for selected_ms, plain_ms, kept in ((1.0, 2.0, "selected"), (2.0, 1.0, "plain")):
+        fast = Nimble(nn.ReLU().eval())
+        graphs = {"selected": FakeGraph(selected_ms), "plain": FakeGraph(plain_ms)}
+        modules = {"selected": nn.ReLU(), "plain": nn.ReLU()}
+        fast._run_module, fast._cuda_graph = modules["selected"], graphs["selected"]
+        fast._static_outputs, fast.stats.graph_pool_bytes, fast.stats.native_convs = ["out-sel"], 300, 7
+        plan = fast.plan = object()
+
+        def capture_forward():
+            assert fast._run_module is modules["plain"] and fast.plan is plan
+            fast._cuda_graph, fast._static_outputs = graphs["plain"], ["out-plain"]
+            fast.stats.graph_pool_bytes = 100
+
+        monkeypatch.setattr(fast, "_capture_forward", capture_forward)
+        monkeypatch.setattr(capture, "replay_ms", lambda g, n: g.ms)
+        fast._keep_faster_convs(modules["plain"])
+        other = "plain" if kept == "selected" else "selected"
+        assert fast._cuda_graph is graphs[kept] and not graphs[kept].released
+        assert graphs[other].released and fast._run_module is modules[kept]
+        assert (fast._static_outputs, fast.stats.graph_pool_bytes, fast.stats.native_convs) == \
+            ((["out-sel"], 300, 7) if kept == "selected" else (["out-plain"], 100, 0))
+        assert fast.stats.notes[-1].startswith(f"select_convs: {selected_ms:.3f} ms with the selection, "
+                                               f"{plain_ms:.3f} ms with every conv on cuDNN")
+        assert fast.stats.notes[-1].endswith("kept the selection" if kept == "selected" else "kept cuDNN")
+
+
 def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
     """Measured on the H200: multi-stream capture under cudaMallocAsync aborts the process."""
     import nimble.capture as capture
