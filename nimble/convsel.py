@@ -12,9 +12,9 @@ How, here:
    those on cuDNN; PyTorch's dilated fallback is slow), stay on cuDNN untimed.
 2. Convolutions with the same signature (input shape, strides, dtype, weight shape,
    stride, padding, groups) share one timing: NAS cells repeat the same conv many times.
-3. Each candidate is timed by ``timer`` (default: a CUDA graph of 20 back-to-back calls,
-   replayed under CUDA events, cuDNN and native in turns over three rounds, the median per
-   candidate). Native wins only when faster by more than ``margin``, so timing noise does
+3. Both candidates are timed by ``timer`` (default :func:`race_calls`: each captured once
+   as a CUDA graph of 20 back-to-back calls, the two replayed in turns over three rounds
+   under CUDA events, the median per candidate). Native wins only when faster by more than ``margin``, so timing noise does
    not move kernels away from cuDNN.
 4. A winning module becomes a :class:`NativeConv2d`, whose forward runs with cuDNN
    disabled (:func:`cudnn_disabled`). The flag is read on the host when ATen picks the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -34,7 +33,7 @@ from torch import nn
 
 from .trace import as_tuple
 
-__all__ = ["ConvChoice", "NativeConv2d", "select_conv_kernels", "cudnn_disabled", "graph_call_ms",
+__all__ = ["ConvChoice", "NativeConv2d", "select_conv_kernels", "cudnn_disabled", "race_calls",
            "summarize"]
 
 
@@ -78,11 +77,8 @@ def _signature(conv: nn.Conv2d, x: torch.Tensor) -> str:
             f"bias={conv.bias is not None} mode={conv.padding_mode}")
 
 
-def graph_call_ms(fn: Callable[[], Any], calls: int = 20, replays: int = 10) -> float:
-    """ms per call of ``fn`` from a CUDA graph of ``calls`` back-to-back calls (the paper's
-    method: launch overhead out, as it will be in the captured model)."""
-    from .capture import replay_ms       # capture imports this module's users, not this one
-
+def _graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (warmed up outside capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):        # warm-up outside capture: cuDNN's algorithm search
@@ -93,15 +89,27 @@ def graph_call_ms(fn: Callable[[], Any], calls: int = 20, replays: int = 10) -> 
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    ms = replay_ms(graph, replays) / calls
-    graph.reset()                         # its memory pool goes back to the allocator
-    return ms
+    return graph
 
 
-def _time_both(conv: nn.Conv2d, x: torch.Tensor, timer: Callable[[Callable[[], Any]], float],
-               rounds: int) -> tuple[float, float]:
-    """Median per-call ms of ``conv(x)`` through cuDNN and through the native kernels, timed
-    in turns so that a slow spell of the GPU falls on both."""
+def race_calls(first: Callable[[], Any], second: Callable[[], Any], calls: int = 20,
+               rounds: int = 3, replays: int = 10) -> tuple[float, float]:
+    """ms per call of two zero-argument callables, each captured once as a CUDA graph of
+    ``calls`` back-to-back calls (the paper's method: launch overhead out, as it will be in
+    the captured model), the two graphs replayed in turns (:func:`nimble.capture.race_graphs`)."""
+    from .capture import race_graphs, release_graph   # capture imports this module
+
+    graphs = [_graph_of_calls(first, calls), _graph_of_calls(second, calls)]
+    t_first, t_second = race_graphs(*graphs, rounds, replays)
+    for graph in graphs:
+        release_graph(graph)
+    return t_first / calls, t_second / calls
+
+
+def _time_both(conv: nn.Conv2d, x: torch.Tensor,
+               timer: Callable[[Callable[[], Any], Callable[[], Any]], tuple[float, float]],
+               ) -> tuple[float, float]:
+    """Per-call ms of ``conv(x)`` through cuDNN and through the native kernels."""
     def with_cudnn():
         return conv._conv_forward(x, conv.weight, conv.bias)
 
@@ -109,11 +117,7 @@ def _time_both(conv: nn.Conv2d, x: torch.Tensor, timer: Callable[[Callable[[], A
         with cudnn_disabled():
             return conv._conv_forward(x, conv.weight, conv.bias)
 
-    cudnn_times, native_times = [], []
-    for _ in range(rounds):
-        cudnn_times.append(timer(with_cudnn))
-        native_times.append(timer(native))
-    return statistics.median(cudnn_times), statistics.median(native_times)
+    return timer(with_cudnn, native)
 
 
 class NativeConv2d(nn.Conv2d):
@@ -130,19 +134,18 @@ class NativeConv2d(nn.Conv2d):
 
 
 def select_conv_kernels(model: nn.Module, example_inputs, *,
-                        timer: Callable[[Callable[[], Any]], float] | None = None,
-                        margin: float = 0.03, rounds: int = 3,
-                        ) -> tuple[nn.Module, list[ConvChoice]]:
+                        timer: Callable[[Callable[[], Any], Callable[[], Any]],
+                                        tuple[float, float]] | None = None,
+                        margin: float = 0.03) -> tuple[nn.Module, list[ConvChoice]]:
     """Return a copy of ``model`` whose ``Conv2d`` modules each run the faster of cuDNN and
     PyTorch's native kernels for the shapes of ``example_inputs``, and the decisions.
 
     Args:
         model: an inference model (eval mode) on the device of ``example_inputs``.
         example_inputs: a tensor or tuple of tensors shaped as the calls will be.
-        timer: ms per call of a zero-argument callable; default :func:`graph_call_ms`
-            (CUDA). Tests pass their own.
+        timer: ms per call of two zero-argument callables (cuDNN's, native's); default
+            :func:`race_calls` (CUDA). Tests pass their own.
         margin: native must be faster than cuDNN by more than this fraction to be chosen.
-        rounds: timings per candidate, taken in turns; the median decides.
     """
     if model.training:
         raise ValueError("conv kernel selection is for inference: call model.eval() first "
@@ -152,7 +155,7 @@ def select_conv_kernels(model: nn.Module, example_inputs, *,
     if timer is None:
         if not torch.cuda.is_available():
             raise RuntimeError("conv kernel selection times CUDA kernels; no CUDA device")
-        timer = graph_call_ms
+        timer = race_calls
     model = copy.deepcopy(model)
     inputs = as_tuple(example_inputs)
     seen: dict[nn.Module, list[torch.Tensor]] = {}
@@ -187,7 +190,7 @@ def select_conv_kernels(model: nn.Module, example_inputs, *,
             if sig in untimed:
                 choices.append(ConvChoice(sig, len(convs), None, None, False, untimed[sig]))
                 continue
-            cudnn_ms, native_ms = _time_both(convs[0], first_input[sig], timer, rounds)
+            cudnn_ms, native_ms = _time_both(convs[0], first_input[sig], timer)
             native = native_ms * (1 + margin) < cudnn_ms
             if native:
                 for conv in convs:
