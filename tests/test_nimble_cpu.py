@@ -133,17 +133,20 @@ def test_prepare_names_its_stream_choices_before_anything_runs():
         Nimble(nn.ReLU()).prepare(torch.randn(2), training=True, use_multi_stream="auto")
 
 
+class FakeGraph:
+    """A stand-in for a captured graph: replays in ``ms`` (patched ``replay_ms``)."""
+
+    def __init__(self, ms):
+        self.ms, self.released = ms, False
+
+    def reset(self):
+        self.released = True
+
+
 def test_auto_keeps_the_faster_capture_and_its_state(monkeypatch):
     """use_multi_stream="auto" on stand-ins for the two captures: the graph that replays
     faster wins, with its plan, streams, outputs and stats; the loser's pool is released."""
     import nimble.capture as capture
-
-    class FakeGraph:
-        def __init__(self, ms):
-            self.ms, self.released = ms, False
-
-        def reset(self):
-            self.released = True
 
     for multi_ms, single_ms, kept in ((1.0, 2.0, "multi"), (2.0, 1.0, "single")):
         fast = Nimble(nn.ReLU().eval())
@@ -183,13 +186,6 @@ def test_select_convs_keeps_the_faster_whole_graph(monkeypatch):
     against the one with every conv on cuDNN; the faster keeps its module, outputs and stats;
     the loser's pool is released and native_convs is 0 when cuDNN wins."""
     import nimble.capture as capture
-
-    class FakeGraph:
-        def __init__(self, ms):
-            self.ms, self.released = ms, False
-
-        def reset(self):
-            self.released = True
 
     for selected_ms, plain_ms, kept in ((1.0, 2.0, "selected"), (2.0, 1.0, "plain")):
         fast = Nimble(nn.ReLU().eval())
