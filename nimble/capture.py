@@ -405,9 +405,10 @@ class Nimble:
 
         Why: the per-conv timings are of one conv alone on one stream. In the whole graph,
         beside concurrent streams, the native kernels (im2col + GEMM) can lose what they won
-        alone: on the H200 at batch 1 NASNet-A mobile's graph ran 7 % slower with 58 convs
-        moved, while ResNet-50's ran 4 % faster. Both captures share the task graph and the
-        stream plan (the cuDNN flag only changes the kernels inside each conv op).
+        alone: on the H200 at batch 1 NASNet-A mobile's 13-stream graph ran 7 % slower with
+        58 convs moved (a few per cent of it the difference between any two of its captures),
+        while ResNet-50's ran 4 % faster. Both captures share the task graph and the stream
+        plan (the cuDNN flag only changes the kernels inside each conv op).
         """
         chosen = {a: getattr(self, a) for a in self._CAPTURE_STATE}
         chosen_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
