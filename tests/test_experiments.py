@@ -96,7 +96,8 @@ def test_paper_presets_match_the_paper():
     inf = _compose(["+sweep=paper_inference"], hydra_cfg=True)
     assert str(inf.hydra.sweeper.params.model).split(",") == PAPER_INFERENCE_SET
     assert str(inf.hydra.sweeper.params.batch_size) == "1"
-    assert {"eager", "nimble", "nimble-single", "tensorrt", "tvm", "torchscript"} <= set(inf.backends)
+    assert {"eager", "nimble", "nimble-single", "nimble-select", "tensorrt", "tvm",
+            "torchscript"} <= set(inf.backends)   # nimble-select: the paper's conv selection
     train = _compose(["+sweep=paper_training"], hydra_cfg=True)
     assert train.experiment.name == "training"
     assert (train.experiment.image_size, train.experiment.num_classes) == (32, 10)
