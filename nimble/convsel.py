@@ -73,7 +73,7 @@ def cudnn_disabled() -> Iterator[None]:
 
 def _signature(conv: nn.Conv2d, x: torch.Tensor) -> str:
     return (f"in={tuple(x.shape)}/{tuple(x.stride())} {x.dtype} w={tuple(conv.weight.shape)} "
-            f"stride={conv.stride} pad={conv.padding} groups={conv.groups} "
+            f"stride={conv.stride} pad={conv.padding} dil={conv.dilation} groups={conv.groups} "
             f"bias={conv.bias is not None} mode={conv.padding_mode}")
 
 
@@ -158,10 +158,14 @@ def select_conv_kernels(model: nn.Module, example_inputs, *,
         timer = race_calls
     model = copy.deepcopy(model)
     inputs = as_tuple(example_inputs)
-    seen: dict[nn.Module, list[torch.Tensor]] = {}
+    calls: dict[nn.Conv2d, list[str]] = {}      # module -> the signature of each call
+    first_input: dict[str, torch.Tensor] = {}   # one input per signature (not per call)
 
     def record_input(mod, args):
-        seen.setdefault(mod, []).append(args[0].detach().clone())
+        sig = _signature(mod, args[0])
+        calls.setdefault(mod, []).append(sig)
+        if sig not in first_input:
+            first_input[sig] = args[0].detach().clone()
 
     hooks = [m.register_forward_pre_hook(record_input)
              for m in model.modules() if type(m) is nn.Conv2d]
@@ -172,17 +176,18 @@ def select_conv_kernels(model: nn.Module, example_inputs, *,
         for h in hooks:
             h.remove()
 
+    # Modules that are reused or dilated get groups of their own: they stay on cuDNN
+    # untimed, and must not hold back a plain conv of the same signature.
     groups: dict[str, list[nn.Conv2d]] = {}
-    first_input: dict[str, torch.Tensor] = {}
     untimed: dict[str, str] = {}
-    for conv, xs in seen.items():
-        sig = _signature(conv, xs[0])
-        groups.setdefault(sig, []).append(conv)
-        first_input.setdefault(sig, xs[0])
-        if len(xs) > 1:
-            untimed[sig] = f"called {len(xs)} times per forward"
+    for conv, sigs in calls.items():
+        sig = sigs[0]
+        if len(sigs) > 1:
+            sig = f"{sig} [reused]"
+            untimed[sig] = f"called {len(sigs)} times per forward"
         elif any(d != 1 for d in conv.dilation):
             untimed[sig] = "dilated (kept on cuDNN, as the paper did)"
+        groups.setdefault(sig, []).append(conv)
 
     choices = []
     with torch.no_grad():

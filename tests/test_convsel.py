@@ -108,6 +108,28 @@ def test_reused_and_dilated_convs_stay_on_cudnn_untimed():
     assert all(c.cudnn_ms is None and c.speedup is None for c in choices)
 
 
+class Lookalikes(Reused):
+    """A plain conv shaped like the reused one, and one like the dilated one but undilated."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = nn.Conv2d(3, 3, 3, padding=1, groups=3)
+        self.undilated = nn.Conv2d(3, 3, 3, padding=2, groups=3)
+
+    def forward(self, x):
+        y = self.dilated(self.shared(self.shared(x)))
+        return self.plain(y), self.undilated(x)
+
+
+def test_lookalikes_of_reused_and_dilated_convs_are_still_timed():
+    timer = DepthwiseFasterNative()
+    chosen, choices = select_conv_kernels(Lookalikes().eval(), torch.randn(1, 3, 8, 8), timer=timer)
+    assert timer.calls == 2
+    assert isinstance(chosen.plain, NativeConv2d) and isinstance(chosen.undilated, NativeConv2d)
+    assert not isinstance(chosen.shared, NativeConv2d) and not isinstance(chosen.dilated, NativeConv2d)
+    assert sorted(c.native for c in choices) == [False, False, True, True]
+
+
 def test_native_must_win_by_the_margin():
     model = nn.Sequential(nn.Conv2d(3, 8, 3)).eval()
     _, choices = select_conv_kernels(model, torch.randn(1, 3, 8, 8),   # native 2 % faster
