@@ -442,7 +442,8 @@ class _Commands:
                 if self.seen(word):
                     return word
             if self.eof:
-                raise RuntimeError(f"the harness closed this job's input before {' or '.join(map(repr, words))}")
+                expected = " or ".join(map(repr, words))
+                raise RuntimeError(f"the harness closed this job's input before {expected}")
             self._poll(1.0)
             if tick is not None:
                 tick()
