@@ -223,16 +223,17 @@ def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
 def step_state_kept(module: nn.Module, optimizer: torch.optim.Optimizer,
                     grads: Callable[[], Sequence[torch.Tensor | None]] | None = None):
     """Around timing replays or profiling steps that train: module and optimizer state and
-    the CUDA generator are saved on entry and put back (in place) when the block ends;
-    ``grads()`` (default: the parameters' ``.grad`` then) names the gradients to zero. A
-    block that raises leaves them as they are."""
+    (for a CUDA module) the CUDA generator are saved on entry and put back (in place) when
+    the block ends; ``grads()`` (default: the parameters' ``.grad`` then) names the gradients
+    to zero. A block that raises leaves them as they are."""
     device = next(module.parameters()).device
     saved = save_step_state(module, optimizer)
-    rng = torch.cuda.get_rng_state(device)
+    rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     yield
     put_back_step_state(module, optimizer, saved,
                         grads() if grads is not None else [p.grad for p in module.parameters()])
-    torch.cuda.set_rng_state(rng, device)
+    if rng is not None:
+        torch.cuda.set_rng_state(rng, device)
 
 
 def _zero_or_restore_optimizer(optimizer: torch.optim.Optimizer, saved_state: dict) -> None:

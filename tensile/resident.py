@@ -31,7 +31,6 @@ step stretches too, and this is pessimistic: it keeps more groups resident than 
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -40,7 +39,7 @@ import torch
 from torch import nn
 
 from nimble.capture import _event_gap_ms
-from nimble.training import put_back_step_state, save_step_state, step_state_kept
+from nimble.training import step_state_kept
 
 from .estimate import measure_copy_bandwidth
 from .graph import GraphStep, warmup_stream
@@ -142,7 +141,7 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
                        for key, v in streamed.optimizer.state.get(p, {}).items()
                        if _streamed_key(p, key, v))   # what home_state would stream
                    for g in streamed.groups]
-    with _kept(model, streamed.optimizer):
+    with step_state_kept(model, streamed.optimizer):   # the timed steps train
         if not streamed.cuda:
             runs = [_cpu_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
         elif _capturable(streamed.optimizer):
@@ -241,18 +240,6 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 # --------------------------------------------------------------------------- timing
-
-@contextlib.contextmanager
-def _kept(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """The timed steps train: model and optimizer state (and on CUDA the RNG) put back."""
-    if next(model.parameters()).device.type == "cuda":
-        with step_state_kept(model, optimizer):
-            yield
-        return
-    saved = save_step_state(model, optimizer)
-    yield
-    put_back_step_state(model, optimizer, saved, [p.grad for p in model.parameters()])
-
 
 def _capturable(optimizer: torch.optim.Optimizer) -> bool:
     return all(g.get("capturable", False) for g in optimizer.param_groups)
