@@ -380,25 +380,14 @@ class Nimble:
         if streams == 1:
             self.stats.notes.append(AUTO_ONE_STREAM_NOTE)
             return
-        multi = {a: getattr(self, a) for a in self._CAPTURE_STATE}
-        multi_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
-        self._use_multi_stream = False
-        self._adopt_graph(self.graph)          # the one-stream plan of the same task graph
-        self._capture_forward()
-        single = {a: getattr(self, a) for a in self._CAPTURE_STATE}
-        replays = race_replays(replay_ms(multi["_cuda_graph"], 1), budget_s, rounds)
-        keep, note = compare_streams(multi["_cuda_graph"], single["_cuda_graph"], streams,
-                                     rounds, replays)
-        if keep:
-            for a, v in multi.items():
-                setattr(self, a, v)
-            for a, v in multi_stats.items():
-                setattr(self.stats, a, v)
-            self._use_multi_stream, loser = True, single
-        else:
-            loser = multi
-        release_graph(loser["_cuda_graph"])
-        self.stats.notes.append(note)
+
+        def one_stream() -> None:
+            self._use_multi_stream = False
+            self._adopt_graph(self.graph)      # the one-stream plan of the same task graph
+
+        keep, t_multi, t_single, replays = self._race_recapture(one_stream, rounds, budget_s)
+        self._use_multi_stream = keep
+        self.stats.notes.append(streams_note(streams, t_multi, t_single, rounds, replays))
 
     def _keep_faster_convs(self, plain: nn.Module, rounds: int = 3, budget_s: float = 0.3) -> None:
         """``select_convs``: capture ``plain`` (every conv on cuDNN) too, keep the faster graph.
@@ -410,28 +399,46 @@ class Nimble:
         while ResNet-50's ran 4 % faster. Both captures share the task graph and the stream
         plan (the cuDNN flag only changes the kernels inside each conv op).
         """
-        chosen = {a: getattr(self, a) for a in self._CAPTURE_STATE}
-        chosen_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
-        selected, self._run_module = self._run_module, plain
-        self._capture_forward()
-        replays = race_replays(replay_ms(chosen["_cuda_graph"], 1), budget_s, rounds)
-        t_selected, t_plain = race_graphs(chosen["_cuda_graph"], self._cuda_graph, rounds, replays)
-        keep = t_selected < t_plain
+        selected = self._run_module
+
+        def every_conv_on_cudnn() -> None:
+            self._run_module = plain
+
+        keep, t_selected, t_plain, replays = self._race_recapture(every_conv_on_cudnn, rounds,
+                                                                  budget_s)
         if keep:
-            loser = self._cuda_graph
-            for a, v in chosen.items():
-                setattr(self, a, v)
-            for a, v in chosen_stats.items():
-                setattr(self.stats, a, v)
             self._run_module = selected
         else:
-            loser = chosen["_cuda_graph"]
             self.stats.native_convs = 0
-        release_graph(loser)
         self.stats.notes.append(
             f"select_convs: {t_selected:.3f} ms with the selection, {t_plain:.3f} ms with every "
             f"conv on cuDNN (median of {rounds} x {replays} replays): "
             + ("kept the selection" if keep else "kept cuDNN"))
+
+    def _race_recapture(self, change: Callable[[], None], rounds: int,
+                        budget_s: float) -> tuple[bool, float, float, int]:
+        """Capture again after ``change()`` and race the new graph against the current one
+        (:func:`race_graphs`, ``rounds`` times as many replays each as fit ``budget_s``);
+        the faster keeps its capture state and stats, the other's memory pool is released.
+        Returns whether the current (first) graph was kept, both times and the replays.
+        The caller puts back what ``change`` changed beyond the capture state."""
+        first = {a: getattr(self, a) for a in self._CAPTURE_STATE}
+        first_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
+        change()
+        self._capture_forward()
+        replays = race_replays(replay_ms(first["_cuda_graph"], 1), budget_s, rounds)
+        t_first, t_second = race_graphs(first["_cuda_graph"], self._cuda_graph, rounds, replays)
+        keep_first = t_first < t_second
+        if keep_first:
+            loser = self._cuda_graph
+            for a, v in first.items():
+                setattr(self, a, v)
+            for a, v in first_stats.items():
+                setattr(self.stats, a, v)
+        else:
+            loser = first["_cuda_graph"]
+        release_graph(loser)
+        return keep_first, t_first, t_second, replays
 
     def _fit_memory(self, limit: float) -> None:
         """Halve the streams and capture again until the graph's memory fits ``limit``."""
@@ -755,10 +762,15 @@ def compare_streams(multi, single, streams: int, rounds: int, replays: int,
     Returns whether the streams are faster, and the note for ``stats`` that gives both times
     (``per``: e.g. " per step")."""
     t_multi, t_single = race_graphs(multi, single, rounds, replays)
-    keep = t_multi < t_single
-    return keep, (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
-                  f"{t_single:.3f} ms{per} (median of {rounds} x {replays} replays): "
-                  + ("kept the streams" if keep else "kept one stream"))
+    return t_multi < t_single, streams_note(streams, t_multi, t_single, rounds, replays, per)
+
+
+def streams_note(streams: int, t_multi: float, t_single: float, rounds: int, replays: int,
+                 per: str = "") -> str:
+    """The note ``use_multi_stream="auto"`` leaves in ``stats``: both times, which was kept."""
+    return (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
+            f"{t_single:.3f} ms{per} (median of {rounds} x {replays} replays): "
+            + ("kept the streams" if t_multi < t_single else "kept one stream"))
 
 
 def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:
