@@ -3,7 +3,9 @@
 "nimble-split" (training: convolution weight gradients on side streams), "nimble-cl" (multi-stream,
 module in channels-last memory format), "nimble-prio" (the critical path's streams at high
 priority), "nimble-inductor" (Inductor-compiled segments on Nimble's streams), "nimble-select"
-(each convolution on the faster of cuDNN and PyTorch's native kernels).
+(each convolution on the faster of cuDNN and PyTorch's native kernels), "nimble-fuse" and
+"nimble-cl-fuse" (each conv+ReLU, and conv+residual add+ReLU, as one cuDNN kernel; NCHW and
+channels-last).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -34,6 +36,7 @@ class NimbleBackend(Backend):
     channels_last = False
     prioritize_critical = False
     select_convs = False
+    fuse_relu = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
@@ -51,7 +54,8 @@ class NimbleBackend(Backend):
                                      split_conv_backward=self.split_conv_backward,
                                      channels_last=self.channels_last,
                                      prioritize_critical=self.prioritize_critical,
-                                     select_convs=self.select_convs)
+                                     select_convs=self.select_convs,
+                                     fuse_relu=self.fuse_relu)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
@@ -95,6 +99,7 @@ def _with_stats(fn: Callable[..., Any], fast) -> Callable[..., Any]:
     fn.extra = {
         "ops": st.num_ops, "streams": st.num_streams, "syncs": st.num_syncs,
         "folded_conv_bn": st.folded_conv_bn, "native_convs": st.native_convs,
+        "fused_conv_relu": st.fused_conv_relu,
         "graph_mem_mb": round(st.graph_total_bytes / MB, 1),
         "graph_pool_mb": round(st.graph_pool_bytes / MB, 1),
         "eager_peak_mb": round(st.eager_peak_bytes / MB, 1),
@@ -160,6 +165,24 @@ class NimbleSelectBackend(NimbleBackend):
     supports_training = False
 
 
+class NimbleFuseBackend(NimbleBackend):
+    """Multi-stream, each convolution that feeds a ReLU (after an optional residual add) run as
+    one cuDNN kernel for conv, bias, add and ReLU (``Nimble.prepare(fuse_relu=True)``,
+    :mod:`nimble.fusion`). Inference only: the fused kernel has no backward."""
+
+    name = "nimble-fuse"
+    fuse_relu = True
+    supports_training = False
+
+
+class NimbleChannelsLastFuseBackend(NimbleFuseBackend):
+    """``nimble-fuse`` on a channels-last (NHWC) copy of the model: cuDNN's fused NHWC kernels
+    are the fast ones (``prepare(fuse_relu=True, channels_last=True)``)."""
+
+    name = "nimble-cl-fuse"
+    channels_last = True
+
+
 class NimbleAutoBackend(NimbleBackend):
     """The plan's streams or one stream, whichever replays faster on the example input:
     inference (``prepare(use_multi_stream="auto")``) and whole-step training
@@ -205,3 +228,5 @@ register_backend("nimble-prio", NimblePriorityBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)
 register_backend("nimble-auto", NimbleAutoBackend)
 register_backend("nimble-select", NimbleSelectBackend)
+register_backend("nimble-fuse", NimbleFuseBackend)
+register_backend("nimble-cl-fuse", NimbleChannelsLastFuseBackend)

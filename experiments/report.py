@@ -48,7 +48,8 @@ GROUP = ["experiment", "mode", "model", "batch_size"]  # rows compared with each
 SAME_RUN_BASELINES = ("eager", "nimble-single")
 # Bar order in plots and columns in tables: baselines first, this project last.
 BACKEND_ORDER = ["eager", "torchscript", "onnxruntime", "inductor", "cudagraph", "inductor-cudagraphs",
-                 "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-cl", "nimble-split", "nimble-auto", "nimble-inductor", "nimble-select"]
+                 "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-cl", "nimble-split", "nimble-auto", "nimble-inductor", "nimble-select",
+                 "nimble-fuse", "nimble-cl-fuse"]
 
 
 # --------------------------------------------------------------------------- loading

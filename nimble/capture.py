@@ -45,6 +45,8 @@ from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .convsel import select_conv_kernels
 from .convsel import summarize as summarize_conv_choices
+from .fusion import (ConvReluFusion, FusedRun, FusionMismatchError, find_conv_relu,
+                     with_fusion_edges)
 from .passes import channels_last_inputs, fold_conv_bn, to_channels_last
 from .priority import NodePriorityGraph
 from .streams import (StreamPlan, assign_streams, critical_path, critical_streams,
@@ -70,6 +72,7 @@ class PrepareStats:
     num_syncs: int = 0
     folded_conv_bn: int = 0
     native_convs: int = 0            # Conv2d moved off cuDNN by select_convs
+    fused_conv_relu: int = 0         # convs run fused with their ReLU (and residual add)
     prepare_s: float = 0.0
     plan_s: float = 0.0
     capture_s: float = 0.0
@@ -102,12 +105,17 @@ class ScheduledMode(OpRecorder):
     on an event recorded at or after v. "Ordered after" is tracked with vector clocks:
     ``clock[a][b]`` is the last op of stream b that stream a is known to follow. Tensors
     used on one stream only are freed and reused as in eager mode.
+
+    ``fused`` (optional, :class:`nimble.fusion.FusedRun`): make fused convs' calls instead
+    of the module's own, and let their absorbed add and ReLU launch nothing.
     """
 
     def __init__(self, graph: TaskGraph, plan: StreamPlan, streams: Sequence[torch.cuda.Stream],
-                 timing_events: list[torch.cuda.Event] | None = None) -> None:
+                 timing_events: list[torch.cuda.Event] | None = None,
+                 fused: FusedRun | None = None) -> None:
         super().__init__()
         self.graph, self.plan, self.streams = graph, plan, list(streams)
+        self.fused = fused
         self.waits: dict[int, list[int]] = {}
         for u, v in plan.syncs:
             self.waits.setdefault(v, []).append(u)
@@ -162,6 +170,9 @@ class ScheduledMode(OpRecorder):
             return out
         if index >= self.graph.num_nodes:
             raise TraceMismatchError(index, "end of run", str(func))
+        if self.fused is not None:
+            func, args, kwargs = self.fused.swap(index, func, args, kwargs)
+            ins = [t for t in _tensors((args, kwargs)) if t.is_cuda]
         s = self.plan.stream_of[index]
         stream = self.streams[s]
         for u in self.waits.get(index, ()):
@@ -170,6 +181,8 @@ class ScheduledMode(OpRecorder):
         self._release(s)                                 # before this op allocates on s
         with torch.cuda.stream(stream):
             out = func(*args, **kwargs)
+        if self.fused is not None:
+            self.fused.done(index, out)
         outs = [t for t in _tensors(out) if t.is_cuda]
         for t in outs:
             self.alloc_stream.setdefault(self.storage_id(t), s)
@@ -219,6 +232,7 @@ class Nimble:
         self._streams: list[torch.cuda.Stream] = []
         self._run_module: nn.Module = module
         self._training = None                 # nimble.training.TrainingCapture when training
+        self._fusions: list[ConvReluFusion] = []   # prepare(fuse_relu=True), nimble.fusion
         self._use_multi_stream: bool = True
         self._max_streams: int | None = None
         self._split_conv_backward = False
@@ -230,7 +244,8 @@ class Nimble:
                 return_copies: bool = False, max_streams: int | None = None,
                 memory_limit: float | None = None,
                 split_conv_backward: bool = False, channels_last: bool = False,
-                prioritize_critical: bool = False, select_convs: bool = False) -> "Nimble":
+                prioritize_critical: bool = False, select_convs: bool = False,
+                fuse_relu: bool = False) -> "Nimble":
         """Pre-run, plan and capture the module for inputs shaped like ``dummy_input``.
 
         Args:
@@ -271,6 +286,10 @@ class Nimble:
                 folding and layout). The whole graph is then captured with every conv on
                 cuDNN too, and the faster of the two kept (a note gives both times);
                 ``stats.native_convs`` counts the convs moved off cuDNN in the kept one.
+            fuse_relu: (inference) run each convolution whose output goes straight into a
+                ReLU (after an optional residual add) as one cuDNN kernel for conv, bias,
+                add and ReLU (:mod:`nimble.fusion`); ``stats.fused_conv_relu`` counts them.
+                Fastest with ``channels_last=True``.
         """
         start = time.perf_counter()
         if memory_limit is not None and not memory_limit > 0:
@@ -280,6 +299,9 @@ class Nimble:
         if select_convs and training:
             raise NimbleError("select_convs times inference convolutions only; a training "
                               "capture's backward kernels are not timed")
+        if fuse_relu and training:
+            raise NimbleError("fuse_relu fuses inference convolutions only (cuDNN's fused "
+                              "kernel has no backward)")
         if use_multi_stream == "auto" and training:
             raise NimbleError("use_multi_stream='auto' times whole graphs: for training it is an "
                               "option of prepare_step (the whole step), not of prepare(training=True)")
@@ -298,6 +320,7 @@ class Nimble:
         self._prioritize_critical = prioritize_critical
         self._training = None
         self._cuda_graph = None
+        self._fusions = []
         if training:
             from .training import TrainingCapture   # the training half builds on this file
             self._run_module = self.module
@@ -322,6 +345,10 @@ class Nimble:
         # 1. trace twice (also the eager warm-up) and measure eager's peak memory
         with measure_eager_peak(self.stats):
             graph = trace_graph(module, inputs, check_static=True)
+        if fuse_relu:
+            self._fusions = find_conv_relu(module, inputs, graph)
+            graph = with_fusion_edges(graph, self._fusions)
+            self.stats.fused_conv_relu = len(self._fusions)
         # 2. plan
         self._adopt_graph(graph)
 
@@ -576,12 +603,18 @@ class Nimble:
     def _scheduled_forward(self, grad: bool,
                            timing_events: list[torch.cuda.Event] | None = None) -> Any:
         """Run the module under the plan; the current stream must be the origin stream."""
-        mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events)
-        with torch.set_grad_enabled(grad):
-            mode.fork()
-            with mode:
-                out = self._run_module(*self._static_inputs)
-            mode.join()
+        fused = FusedRun(self._fusions) if self._fusions else None
+        mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events, fused)
+        try:
+            with torch.set_grad_enabled(grad):
+                mode.fork()
+                with mode:
+                    out = self._run_module(*self._static_inputs)
+                mode.join()
+            if fused is not None:
+                fused.finish()
+        except FusionMismatchError as e:
+            raise NimbleError(f"fuse_relu: {e}; prepare without fuse_relu") from e
         self._check_complete(mode)
         return out
 

@@ -205,6 +205,23 @@ def test_conv_selection_matches_eager_and_leaves_the_module_alone(name):
         assert rel_err(fast(x), ref) < TOL, (name, seed)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name,batch,fused", [("resnet50", 1, 45), ("resnet50", 32, 45),
+                                              ("inception_v3", 1, 94), ("googlenet", 8, 57)])
+def test_fused_conv_relu_matches_eager(name, batch, fused, channels_last):
+    model = build_model(name).cuda().eval()
+    fast = Nimble(model).prepare(example_input(name, batch, "cuda"), fuse_relu=True,
+                                 channels_last=channels_last)
+    assert fast.stats.fused_conv_relu == fused
+    assert fast.stats.num_streams > 1               # the fusions ride on the stream plan
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = example_input(name, batch, "cuda").normal_()
+        with torch.no_grad():
+            ref = model(x)
+        assert rel_err(fast(x), ref) < TOL, (name, batch, seed)
+
+
 def test_channels_last_is_refused_for_training():
     model = build_model("mobilenet_v2").cuda()
     with pytest.raises(NimbleError, match="prepare\\(training=True\\) does not take channels_last"):
