@@ -209,6 +209,10 @@ def test_adam_without_capturable_is_refused_for_whole_step():
 @pytest.mark.parametrize("name", ["mobilenet_v2", "resnet50"])
 def test_whole_step_in_channels_last_matches_eager(name):
     data, model, ref = eager_twin(name)
+    # The reference runs the same layout: NCHW and NHWC kernels round differently, and
+    # BatchNorm in training mode amplifies that (MobileNetV2 at 32x32 ends in 1x1 feature
+    # maps, normalised over the 32 values of a batch).
+    ref = ref.to(memory_format=torch.channels_last)
     opt, ref_opt = make_opt("sgd", model), make_opt("sgd", ref)
     params = list(model.parameters())
     fast = Nimble(model)
