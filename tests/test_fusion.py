@@ -57,7 +57,9 @@ def found(model, x):
     # with it compute the downsample after their last conv, which therefore stays apart.
     ("resnet50", 53, 45, 12),
     ("resnet18", 20, 14, 5),
-    ("mobilenet_v2", 52, 0, 0),          # ReLU6 and linear bottlenecks: nothing to fuse
+    # MobileNetV2: every conv followed by a ReLU6 (stem, 16 expansions, 17 depthwise, head);
+    # the 17 linear bottleneck projections have no activation
+    ("mobilenet_v2", 52, 35, 0),
 ])
 def test_torchvision_models_fuse_the_expected_convs_and_keep_their_outputs(name, convs, fused,
                                                                            with_add):
@@ -115,26 +117,32 @@ class Pattern(nn.Module):
             return F.relu(z)
         if k == "relu6":
             return F.relu6(y)
+        if k == "relu6_":
+            return F.relu6(y, inplace=True)
+        if k == "hardtanh":
+            return F.hardtanh(y)
         raise ValueError(k)
 
 
 @pytest.mark.parametrize("kind,fused,with_add", [
     ("relu_", 1, 0), ("relu", 1, 0), ("add_relu_", 1, 1), ("add_relu", 1, 1),
+    ("relu6", 1, 0), ("relu6_", 1, 0),      # a ReLU, then a clamp to 6
     # not fused: the pre-ReLU values are read elsewhere or returned, alpha is not 1, the
     # residual is made after the conv or is a view, the conv's output is added *into* z
-    # (the sum must live in z's storage), or the activation is not a ReLU
+    # (the sum must live in z's storage), or the activation does not floor at 0
     ("read_twice", 0, 0), ("output_too", 0, 0), ("alpha", 0, 0), ("z_after", 0, 0),
-    ("z_view", 0, 0), ("into_z", 0, 0), ("relu6", 0, 0),
+    ("z_view", 0, 0), ("into_z", 0, 0), ("hardtanh", 0, 0),
 ])
 def test_patterns(kind, fused, with_add):
     torch.manual_seed(0)
     model = Pattern(kind).eval()
-    x = torch.randn(2, 4, 8, 8)
+    x = 10 * torch.randn(2, 4, 8, 8)        # large enough for a ReLU6's cap to matter
     graph, fusions = found(model, x)
     assert [f.conv for f in fusions] == [1] * fused        # node 0 is `pre`
     assert sum(f.z_from is not None for f in fusions) == with_add
     with torch.no_grad():
         ref = model(x)
+    assert "relu6" not in kind or (ref == 6).sum() > 0
     torch.testing.assert_close(fused_output(model, x, fusions), ref)
     # the fused conv now reads z: the graph gets an edge from z's maker to it
     extra = set(with_fusion_edges(graph, fusions).edges) - set(graph.edges)
@@ -146,7 +154,7 @@ def test_a_run_that_leaves_the_pattern_is_an_error_not_a_wrong_result():
     model = Pattern("relu_").eval()
     x = torch.randn(2, 4, 8, 8)
     _, fusions = found(model, x)
-    other = Pattern("relu6").eval()     # same ops up to the conv, then not a ReLU
+    other = Pattern("hardtanh").eval()  # same ops up to the conv, then not a ReLU
     other.load_state_dict(model.state_dict())
     with pytest.raises(FusionMismatchError, match="expected to be the ReLU of fused conv #1.s output"):
         fused_output(other, x, fusions)
