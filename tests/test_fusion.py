@@ -57,9 +57,7 @@ def found(model, x):
     # with it compute the downsample after their last conv, which therefore stays apart.
     ("resnet50", 53, 45, 12),
     ("resnet18", 20, 14, 5),
-    # MobileNetV2: every conv followed by a ReLU6 (stem, 16 expansions, 17 depthwise, head);
-    # the 17 linear bottleneck projections have no activation
-    ("mobilenet_v2", 52, 35, 0),
+    ("mobilenet_v2", 52, 0, 0),          # ReLU6 (not fused: slower) and linear bottlenecks
 ])
 def test_torchvision_models_fuse_the_expected_convs_and_keep_their_outputs(name, convs, fused,
                                                                            with_add):
@@ -126,12 +124,11 @@ class Pattern(nn.Module):
 
 @pytest.mark.parametrize("kind,fused,with_add", [
     ("relu_", 1, 0), ("relu", 1, 0), ("add_relu_", 1, 1), ("add_relu", 1, 1),
-    ("relu6", 1, 0), ("relu6_", 1, 0),      # a ReLU, then a clamp to 6
     # not fused: the pre-ReLU values are read elsewhere or returned, alpha is not 1, the
     # residual is made after the conv or is a view, the conv's output is added *into* z
-    # (the sum must live in z's storage), or the activation does not floor at 0
+    # (the sum must live in z's storage), or the activation is not a ReLU
     ("read_twice", 0, 0), ("output_too", 0, 0), ("alpha", 0, 0), ("z_after", 0, 0),
-    ("z_view", 0, 0), ("into_z", 0, 0), ("hardtanh", 0, 0),
+    ("z_view", 0, 0), ("into_z", 0, 0), ("relu6", 0, 0), ("relu6_", 0, 0), ("hardtanh", 0, 0),
 ])
 def test_patterns(kind, fused, with_add):
     torch.manual_seed(0)
@@ -142,7 +139,7 @@ def test_patterns(kind, fused, with_add):
     assert sum(f.z_from is not None for f in fusions) == with_add
     with torch.no_grad():
         ref = model(x)
-    assert "relu6" not in kind or (ref == 6).sum() > 0
+    assert "relu6" not in kind or (ref == 6).sum() > 0     # a ReLU in its place would show
     torch.testing.assert_close(fused_output(model, x, fusions), ref)
     # the fused conv now reads z: the graph gets an edge from z's maker to it
     extra = set(with_fusion_edges(graph, fusions).edges) - set(graph.edges)
