@@ -47,6 +47,7 @@ from .convsel import select_conv_kernels
 from .convsel import summarize as summarize_conv_choices
 from .fusion import (ConvReluFusion, FusedRun, FusionMismatchError, find_conv_relu,
                      with_fusion_edges)
+from .fusion import summarize as summarize_fusions
 from .passes import channels_last_inputs, fold_conv_bn, to_channels_last
 from .priority import NodePriorityGraph
 from .streams import (StreamPlan, assign_streams, critical_path, critical_streams,
@@ -349,6 +350,7 @@ class Nimble:
             self._fusions = find_conv_relu(module, inputs, graph)
             graph = with_fusion_edges(graph, self._fusions)
             self.stats.fused_conv_relu = len(self._fusions)
+            self.stats.notes.append(summarize_fusions(self._fusions, graph))
         # 2. plan
         self._adopt_graph(graph)
 

@@ -43,7 +43,7 @@ from .graph import OpNode, TaskGraph
 from .trace import OpRecorder, _tensors, as_tuple, check_same_ops
 
 __all__ = ["ConvReluFusion", "FusedRun", "FusionMismatchError", "find_conv_relu",
-           "with_fusion_edges"]
+           "summarize", "with_fusion_edges"]
 
 CONV = "aten.convolution.default"
 RELU = {"aten.relu.default", "aten.relu_.default"}
@@ -223,6 +223,14 @@ def with_fusion_edges(graph: TaskGraph, fusions: Sequence[ConvReluFusion]) -> Ta
     """``graph`` with an edge from each residual's maker to the conv that now reads it."""
     extra = {(f.z_from[0], f.conv) for f in fusions if f.z_from is not None}
     return dataclasses.replace(graph, edges=sorted(set(graph.edges) | extra))
+
+
+def summarize(fusions: Sequence[ConvReluFusion], graph: TaskGraph) -> str:
+    """One line for ``PrepareStats.notes``: how many convs run fused, how many with an add."""
+    convs = sum(n.name == CONV for n in graph.nodes)
+    added = sum(f.z_from is not None for f in fusions)
+    return (f"fuse_relu: {len(fusions)} of {convs} convs run fused with their ReLU "
+            f"({added} with the residual add)")
 
 
 def _passthrough(t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ import torchvision
 from torch import nn
 from torch.nn import functional as F
 
-from nimble.fusion import FusedRun, FusionMismatchError, find_conv_relu, with_fusion_edges
+from nimble.fusion import (FusedRun, FusionMismatchError, find_conv_relu, summarize,
+                           with_fusion_edges)
 from nimble.passes import fold_conv_bn
 from nimble.trace import OpRecorder, trace_graph
 
@@ -68,6 +69,8 @@ def test_torchvision_models_fuse_the_expected_convs_and_keep_their_outputs(name,
     graph, fusions = found(model, x)
     assert sum(n.name == "aten.convolution.default" for n in graph.nodes) == convs
     assert (len(fusions), sum(f.z_from is not None for f in fusions)) == (fused, with_add)
+    assert summarize(fusions, graph) == (f"fuse_relu: {fused} of {convs} convs run fused with "
+                                         f"their ReLU ({with_add} with the residual add)")
     calls.update(relu=0, add_relu=0)
     with torch.no_grad():
         ref = model(x)
