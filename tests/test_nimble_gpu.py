@@ -19,6 +19,16 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def assert_matches_eager(fast, model, name, batch, seeds=2):
+    """``fast`` on fresh NCHW inputs equals ``model`` in eager mode within TOL."""
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        x = example_input(name, batch, "cuda").normal_()
+        with torch.no_grad():
+            ref = model(x)
+        assert rel_err(fast(x), ref) < TOL, (name, batch, seed)
+
+
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("name", ANALYSIS_SET)
 def test_multi_stream_matches_eager_over_fresh_inputs(name, batch):
@@ -177,12 +187,7 @@ def test_channels_last_matches_eager_and_leaves_the_module_alone(name):
     fast = Nimble(model).prepare(example_input(name, 8, "cuda"), channels_last=True)
     assert [p.stride() for p in model.parameters()] == strides_before
     assert any("channels_last" in n for n in fast.stats.notes)
-    for seed in range(2):
-        torch.manual_seed(seed)
-        x = example_input(name, 8, "cuda").normal_()   # an ordinary NCHW tensor
-        with torch.no_grad():
-            ref = model(x)
-        assert rel_err(fast(x), ref) < TOL, (name, seed)
+    assert_matches_eager(fast, model, name, 8)          # ordinary NCHW inputs
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0", "inception_v3"])
@@ -197,12 +202,7 @@ def test_conv_selection_matches_eager_and_leaves_the_module_alone(name):
     raced = [n for n in fast.stats.notes if n.startswith("select_convs: ")]
     # the whole graph with the selection raced against all-cuDNN; the kept one is run
     assert moved == 0 or raced[0].endswith("kept the selection")
-    for seed in range(2):
-        torch.manual_seed(seed)
-        x = example_input(name, 1, "cuda").normal_()
-        with torch.no_grad():
-            ref = model(x)
-        assert rel_err(fast(x), ref) < TOL, (name, seed)
+    assert_matches_eager(fast, model, name, 1)
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
@@ -214,12 +214,7 @@ def test_fused_conv_relu_matches_eager(name, batch, fused, channels_last):
                                  channels_last=channels_last)
     assert fast.stats.fused_conv_relu == fused
     assert fast.stats.num_streams > 1               # the fusions ride on the stream plan
-    for seed in range(2):
-        torch.manual_seed(seed)
-        x = example_input(name, batch, "cuda").normal_()
-        with torch.no_grad():
-            ref = model(x)
-        assert rel_err(fast(x), ref) < TOL, (name, batch, seed)
+    assert_matches_eager(fast, model, name, batch)
 
 
 def test_channels_last_is_refused_for_training():
