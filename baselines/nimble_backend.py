@@ -5,7 +5,8 @@ module in channels-last memory format), "nimble-prio" (the critical path's strea
 priority), "nimble-inductor" (Inductor-compiled segments on Nimble's streams), "nimble-select"
 (each convolution on the faster of cuDNN and PyTorch's native kernels), "nimble-fuse" and
 "nimble-cl-fuse" (each conv+ReLU, and conv+residual add+ReLU, as one cuDNN kernel; NCHW and
-channels-last).
+channels-last), "nimble-inductor-freeze" (nimble-inductor with the weights frozen into the
+compiled segments).
 
 The callable returned by :meth:`NimbleBackend.prepare` carries ``fn.extra``, a dict of
 what the capture found (streams, syncs, folded conv+BN pairs, graph and eager memory),
@@ -205,18 +206,27 @@ class NimbleInductorBackend(Backend):
 
     name = "nimble-inductor"
     needs_cuda = True
+    freeze = False
 
     def prepare(self, model: nn.Module, example_inputs: tuple[Tensor, ...],
                 training: bool = False) -> Callable[..., Any]:
         from nimble.inductor import InductorNimble
 
-        fast = InductorNimble(model).prepare(example_inputs)
+        fast = InductorNimble(model).prepare(example_inputs, freeze=self.freeze)
 
         def fn(*inputs: Tensor) -> Any:
             return fast(*inputs)
 
         fn.extra = dict(fast.stats)
         return fn
+
+
+class NimbleInductorFreezeBackend(NimbleInductorBackend):
+    """nimble-inductor with Inductor's freezing: weights are compile-time constants, so their
+    channels-last copies and the conv+BN folding are made once, not on every replay."""
+
+    name = "nimble-inductor-freeze"
+    freeze = True
 
 
 register_backend("nimble", NimbleBackend)
@@ -226,6 +236,7 @@ register_backend("nimble-split", NimbleSplitBackend)
 register_backend("nimble-cl", NimbleChannelsLastBackend)
 register_backend("nimble-prio", NimblePriorityBackend)
 register_backend("nimble-inductor", NimbleInductorBackend)
+register_backend("nimble-inductor-freeze", NimbleInductorFreezeBackend)
 register_backend("nimble-auto", NimbleAutoBackend)
 register_backend("nimble-select", NimbleSelectBackend)
 register_backend("nimble-fuse", NimbleFuseBackend)

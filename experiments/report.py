@@ -49,7 +49,7 @@ SAME_RUN_BASELINES = ("eager", "nimble-single")
 # Bar order in plots and columns in tables: baselines first, this project last.
 BACKEND_ORDER = ["eager", "torchscript", "onnxruntime", "inductor", "cudagraph", "inductor-cudagraphs",
                  "inductor-max-autotune", "tensorrt", "tvm", "nimble-single", "nimble", "nimble-mem", "nimble-cl", "nimble-split", "nimble-auto", "nimble-inductor", "nimble-select",
-                 "nimble-fuse", "nimble-cl-fuse"]
+                 "nimble-fuse", "nimble-cl-fuse", "nimble-inductor-freeze"]
 
 
 # --------------------------------------------------------------------------- loading

@@ -23,18 +23,21 @@ many streams. This module does both:
 
 Memory: every value that crosses segments is kept until the end of the run (the graph's
 join), so no block is reused while another stream may read it; values inside a segment
-are Inductor's to manage. On a CPU the segments run one after the other (no streams, no
+are Inductor's to manage. With ``freeze=True`` Inductor keeps its own folded copies of the
+weights beside the module's, so weight memory about doubles. On a CPU the segments run one after the other (no streams, no
 graph): that is how the partitioning is tested without a GPU.
 """
 from __future__ import annotations
 
 import operator
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
+from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
 from tqdm import tqdm
 
@@ -55,6 +58,7 @@ class Segment:
     sources: list[fx.Node] = field(default_factory=list)    # input-free ops copied in
     outputs: list[fx.Node] = field(default_factory=list)    # values read elsewhere
     waits: list[int] = field(default_factory=list)          # segments on other streams
+    feeds: list[fx.Node] = field(default_factory=list)      # inputs passed at each call
     fn: Callable[..., Any] | None = None
 
 
@@ -142,13 +146,29 @@ def _op_count(seg: Segment) -> int:
     return sum(1 for n in seg.nodes if n.target is not operator.getitem)
 
 
-def _segment_module(seg: Segment) -> fx.GraphModule:
+def _segment_module(seg: Segment, constants: dict[fx.Node, torch.Tensor] | None = None
+                    ) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The segment as a module, and the values its placeholders take, in order.
+
+    ``constants`` (weights) are kept inside the module as buffers, so that Inductor's
+    freezing can fold them (convert their layout once, fold BatchNorm into the conv);
+    otherwise every value made outside the segment, weights included, is an input.
+    """
     g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {a: g.placeholder(f"in_{k}") for k, a in enumerate(seg.inputs)}
+    root = nn.Module()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders: list[fx.Node] = []
+    for a in seg.inputs:
+        if constants is not None and a in constants:
+            root.register_buffer(a.name, constants[a])
+            env[a] = g.get_attr(a.name)
+        else:
+            env[a] = g.placeholder(f"in_{len(placeholders)}")
+            placeholders.append(a)
     for n in [*seg.sources, *seg.nodes]:
         env[n] = g.node_copy(n, env.__getitem__)
     g.output(tuple(env[o] for o in seg.outputs))
-    return fx.GraphModule(nn.Module(), g)
+    return fx.GraphModule(root, g), placeholders
 
 
 class InductorNimble:
@@ -170,9 +190,15 @@ class InductorNimble:
 
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
                 use_multi_stream: bool = True, backend: str = "inductor",
-                min_segment_ops: int = 2) -> "InductorNimble":
+                min_segment_ops: int = 2, freeze: bool = False) -> "InductorNimble":
         """Trace, partition, compile each segment of at least ``min_segment_ops`` ops with
-        ``backend`` (smaller ones run as traced ATen ops), capture (CUDA)."""
+        ``backend`` (smaller ones run as traced ATen ops), capture (CUDA).
+
+        ``freeze=True`` keeps the weights inside each segment and turns on Inductor's
+        freezing: weights are constants, so their layout is converted and BatchNorm folded
+        once at compile time instead of on every call (without it, Inductor copies every
+        conv weight to channels-last on every call when it picks that layout).
+        """
         if self.module.training:
             raise ValueError("InductorNimble captures inference: call model.eval() first")
         if isinstance(min_segment_ops, bool) or not isinstance(min_segment_ops, int) \
@@ -187,8 +213,9 @@ class InductorNimble:
                            for n in gm.graph.nodes if n.op == "get_attr"}
         self._output = gm.graph.output_node().args[0]
         compiled = 0
+        self._freeze = freeze
         for seg in self.segments:      # compiled at their first call, in the pre-run below
-            seg.fn = _segment_module(seg)
+            seg.fn, seg.feeds = _segment_module(seg, self._constants if freeze else None)
             if _op_count(seg) >= min_segment_ops:
                 seg.fn = torch.compile(seg.fn, backend=backend, fullgraph=True, dynamic=False)
                 compiled += 1
@@ -213,7 +240,7 @@ class InductorNimble:
             with torch.cuda.graph(self._graph, stream=origin):
                 self._static_outputs = self._run()
         self.stats = {"segments": len(self.segments), "compiled_segments": compiled,
-                      "streams": self.num_streams,
+                      "streams": self.num_streams, "freeze": freeze,
                       "compile_s": round(compile_s, 2),
                       "prepare_s": round(time.perf_counter() - start, 2)}
         return self
@@ -232,9 +259,11 @@ class InductorNimble:
                 s.wait_stream(streams[0])
         order = tqdm(self.segments, desc=f"compiling segments ({progress})", unit="seg",
                      disable=progress is None or len(self.segments) < 20, leave=False)
-        with torch.no_grad():
+        # Dynamo decides at trace time, from the global flag, whether weights are constants
+        freezing = inductor_config.patch(freezing=True) if self._freeze else nullcontext()
+        with torch.no_grad(), freezing:
             for i, seg in enumerate(order):
-                args = [values[a] for a in seg.inputs]
+                args = [values[a] for a in seg.feeds]
                 if streams:
                     stream = streams[seg.stream]
                     for j in seg.waits:

@@ -119,6 +119,50 @@ def test_inductor_segments_match_eager_on_cpu():
         torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_freeze_keeps_weights_inside_the_segments():
+    """freeze=True: no segment is fed a weight at call time (Inductor may fold them)."""
+    torch.manual_seed(0)
+    m = Branchy().eval()
+    x = torch.randn(2, 3, 16, 16)
+    plain = InductorNimble(m).prepare(x, backend="aot_eager")
+    frozen = InductorNimble(m).prepare(x, backend="aot_eager", freeze=True)
+    assert any(a.op == "get_attr" for s in plain.segments for a in s.feeds)
+    assert not any(a.op == "get_attr" for s in frozen.segments for a in s.feeds)
+    assert [[a.name for a in s.inputs] for s in frozen.segments] == \
+        [[a.name for a in s.inputs] for s in plain.segments]          # the same partition
+    with torch.no_grad():
+        torch.testing.assert_close(frozen(x), m(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_frozen_inductor_segments_match_eager_on_cpu():
+    """Inductor's freezing folds the BatchNorm into its conv; the global flag is left as found."""
+    torch.manual_seed(0)
+    m = Branchy().eval()
+    x = torch.randn(2, 3, 16, 16)
+    fast = InductorNimble(m).prepare(x, freeze=True)
+    assert torch._inductor.config.freezing is False
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("strict_fp32")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mobilenet_v2", "googlenet"])
+def test_frozen_inductor_under_nimble_matches_eager_on_gpu(name):
+    from experiments.models import build_model, example_input
+    m = build_model(name).cuda().eval()
+    fast = InductorNimble(m).prepare(example_input(name, 1, "cuda"), freeze=True)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = example_input(name, 1, "cuda").normal_()
+        with torch.no_grad():
+            ref = m(x)
+        out = fast(x)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("strict_fp32")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
