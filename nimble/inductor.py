@@ -205,6 +205,8 @@ class InductorNimble:
         if isinstance(min_segment_ops, bool) or not isinstance(min_segment_ops, int) \
                 or min_segment_ops < 1:
             raise ValueError(f"min_segment_ops: expected a positive int, got {min_segment_ops!r}")
+        if not isinstance(freeze, bool):
+            raise ValueError(f"freeze: expected True or False, got {freeze!r}")
         start = time.perf_counter()
         inputs = tuple(as_tuple(dummy_input))
         gm = trace_aten(self.module, inputs)

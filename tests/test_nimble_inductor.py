@@ -136,6 +136,8 @@ def test_freeze_keeps_weights_inside_the_segments():
         [[a.name for a in s.inputs] for s in plain.segments]          # the same partition
     with torch.no_grad():
         torch.testing.assert_close(frozen(x), m(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="freeze: expected True or False, got 'yes'"):
+        InductorNimble(m).prepare(x, backend="aot_eager", freeze="yes")
 
 
 @pytest.mark.gpu
