@@ -1062,16 +1062,17 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
     return {**row, "extra": extra}
 
 
-def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]], list[tuple[float, float]]]:
+def _windows(samples: list[tuple], phase: str, events: list[tuple[float, str, str]] | None = None
+             ) -> tuple[list[tuple[float, int]], list[tuple[float, float]]]:
     """The phase's plain samples ``(t, used)`` and every job's start-up interval: from its
     arrival to its first measured step (or exit): it moves to the device and, under
     TENSILE, records one step at vanilla memory, registers and runs its warm-up steps, where
     a captured job's first steps run uncaptured, above its graph's memory. A timeline
     written before jobs said ``measuring`` ends the start-up at ``ready``. With
     ``--captured`` also every step that captured a graph (its timing graphs and warm-up
-    live next to the graph it replaces)."""
+    live next to the graph it replaces). ``events``: the phase's, if already sorted out."""
     plain = [(t, u) for p, t, u, e in samples if p == phase and not e]
-    events = _events(samples, phase)
+    events = _events(samples, phase) if events is None else events
     measured = {job for _t, kind, job in events if kind == "measuring"}
     starts: dict[str, float] = {}
     spans = []
@@ -1091,7 +1092,8 @@ def _windows(samples: list[tuple], phase: str) -> tuple[list[tuple[float, int]],
 
 def phase_memory(samples: list[tuple], phase: str) -> dict[str, float | None]:
     """Idle baseline, peak over all samples and peak outside start-ups (MiB) of one phase."""
-    plain, spans = _windows(samples, phase)
+    events = _events(samples, phase)
+    plain, spans = _windows(samples, phase, events)
     if not plain or not spans:  # no job arrived: nothing to compare
         return {"idle_mb": None, "peak_mb": None, "peak_all_mb": None}
     first = min((a for a, _ in spans), default=math.inf)
@@ -1101,7 +1103,7 @@ def phase_memory(samples: list[tuple], phase: str) -> dict[str, float | None]:
     # set's. A setting whose jobs captured again through their measured steps may have no
     # steady sample left: then there is no steady peak (not the peak of the samples after
     # the exits).
-    begin, end = _measured_together(samples, phase)
+    begin, end = _measured_together(events)
     steady = [u for t, u in plain if begin <= t <= end and not any(a <= t <= b for a, b in spans)]
     return {"idle_mb": min(idle) / MB, "peak_all_mb": max(u for _, u in plain) / MB,
             "peak_mb": max(steady) / MB if steady else None}
@@ -1113,10 +1115,9 @@ def _events(samples: list[tuple], phase: str) -> list[tuple[float, str, str]]:
                                                     if p == phase and e)]
 
 
-def _measured_together(samples: list[tuple], phase: str) -> tuple[float, float]:
-    """``(last "measuring", first exit)`` of the phase when every job that arrived said
+def _measured_together(events: list[tuple[float, str, str]]) -> tuple[float, float]:
+    """``(last "measuring", first exit)`` of a phase's events when every job that arrived said
     ``measuring`` (the barrier of settings whose jobs start together); else no bounds."""
-    events = _events(samples, phase)
     arrived = {job for _t, kind, job in events if kind == "arrive"}
     measuring = {job: t for t, kind, job in events if kind == "measuring"}
     exits = [t for t, kind, _job in events if kind == "exit"]
