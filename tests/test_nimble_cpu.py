@@ -5,16 +5,13 @@ import torch
 import torchvision
 from torch import nn
 
+from compare import rel_err
 from nimble import Nimble, NimbleError
 from nimble.capture import cap_streams, fold_tiny_isolated_ops
 from nimble.passes import fold_conv_bn, to_channels_last
 from nimble.racecheck import find_races
 from nimble.streams import assign_streams
 from nimble.trace import trace_graph
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_fold_conv_bn_torchvision_matches_and_leaves_original():

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compare import rel_err
 from experiments.models import build_model
 from nimble import Nimble, NimbleError
 
@@ -23,10 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("strict_fp32", "determini
 TOL = 1e-3            # relative error of one step's parameter update, all parameters together
 STEPS = 20
 CIFAR = ["mobilenet_v2", "efficientnet_b0", "resnet50"]
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 def cifar_model(name):
