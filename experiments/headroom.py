@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from .cli import int_list, model_list
 from .env import environment, gpu_slug, host_load
-from .models import build_model, example_input, get_model
+from .models import build_model, example_input
 from .timing import measure
 
 __all__ = ["capture_copies", "overlap", "main"]
@@ -86,27 +87,16 @@ def overlap(name: str, batch_size: int, copies: int, *, warmup: int = 50, iters:
             "warmup": warmup, "iters": iters, **environment("cuda"), **host_load()}
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", required=True, help="comma-separated model names (experiments.models)")
-    parser.add_argument("--batch", type=_ints, default=[1], help="batch sizes, e.g. 1,32")
-    parser.add_argument("--copies", type=_ints, default=[2], help="numbers of copies, e.g. 2,4")
+    parser.add_argument("--models", required=True, type=model_list,
+                        help="comma-separated model names (experiments.models)")
+    parser.add_argument("--batch", type=int_list, default=[1], help="batch sizes, e.g. 1,32")
+    parser.add_argument("--copies", type=int_list, default=[2], help="numbers of copies, e.g. 2,4")
     parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
     parser.add_argument("--iters", type=int, default=200, help="timed replays (>= 100 for the protocol)")
     args = parser.parse_args(argv)
-    names = [m for m in args.models.split(",") if m]
-    for name in names:      # an unknown name fails here, before anything is measured
-        try:
-            get_model(name)
-        except KeyError as exc:
-            parser.error(str(exc.args[0]))
+    names = args.models
     if not torch.cuda.is_available():
         parser.error("this experiment measures CUDA streams: no CUDA device is available here")
     out = Path(args.results) / gpu_slug() / "headroom.csv"

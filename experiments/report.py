@@ -227,6 +227,22 @@ def headroom_table(path: Path) -> pd.DataFrame | None:
     return df[[c for c in cols if c in df.columns]].round(3).reset_index(drop=True)
 
 
+def kernels_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``kernels.csv`` (last census per model, batch and backend), or None."""
+    if not path.exists():
+        return None
+    df = pd.read_csv(path, dtype={"commit": str})
+    if not len(df):
+        return None
+    keys = ["model", "batch_size", "backend"]
+    df = df.drop_duplicates(keys, keep="last").sort_values(keys)
+    df["costliest kernel"] = df["top_kernels"].map(
+        lambda t: json.loads(t)[0][0][:60] if isinstance(t, str) and t.startswith("[[") else "")
+    cols = keys + ["status", "median_ms", "kernels", "kernel_ms", "busy_ms", "span_ms", "busy_share",
+                   "costliest kernel", "commit"]
+    return df[[c for c in cols if c in df.columns]].round(3).reset_index(drop=True)
+
+
 def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
     """Model × backend: ``median (p10–p90)`` in ms; ``n/a`` unavailable, ``error``, ``*`` smoke."""
     sel = df[(df["experiment"] == experiment) & (df["mode"] == mode) & (df["batch_size"] == batch_size)]
@@ -976,6 +992,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     paper_train = _read_csv(paper_dir / "nimble_training_v100.csv")
     streams = _read_csv(results_dir / "analysis" / "streams.csv")
     headroom = headroom_table(gpu_dir / "headroom.csv")
+    kernels = kernels_table(gpu_dir / "kernels.csv")
 
     n_smoke = int(df["smoke"].sum())
     md = [f"# Reproduction report: {gpu_dir.name}", "",
@@ -1098,6 +1115,14 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "One CUDA graph of K independent copies (`python -m experiments.headroom`); overlap = "
                "one-stream / K-stream time, K = perfect. A multi-stream schedule of one model, whose "
                "branches are fewer and unequal, gains less than this.", "", md_table(headroom), ""]
+
+    if kernels is not None:
+        md += ["## Kernel census: where a backend's time goes on the GPU", "",
+               "`python -m experiments.kernels`: calls back to back under the profiler. kernels = GPU "
+               "tasks per call; kernel_ms = their summed time; busy_ms = time at least one runs; "
+               "span_ms = first start to last end, per call; busy_share = busy / span (near 1: the "
+               "kernels themselves bound the call, not the host or the schedule).", "",
+               md_table(kernels), ""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

@@ -5,7 +5,7 @@
 On a CUDA host: the stream analysis, each sweep preset through the Hydra app in a subprocess
 (``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
 measured are skipped), TENSILE's plans worked out on the CPU for this GPU's step times, the
-several-jobs settings, the concurrency headroom, one profiler trace for the per-stream
+several-jobs settings, the concurrency headroom, a kernel census, one profiler trace for the per-stream
 timeline, then the report.
 
 On a host without CUDA: the stream analysis, TENSILE's plans for the H200's committed step
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TENSILE_MULTI", "HEADROOM", "TRACE_MODEL", "plan", "main"]
+__all__ = ["GPU_SWEEPS", "CPU_SMOKE", "TENSILE_MULTI", "HEADROOM", "KERNELS", "TRACE_MODEL", "plan",
+           "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "results"
@@ -42,6 +43,9 @@ TENSILE_MULTI = [["--scenario", "copies", "--copies", "1,2,3", "--batch", "2"],
 # The GPU's concurrency at batch 1 and 32 (experiments/headroom.py): the multi-stream nets.
 HEADROOM = ["--models", "nasnet_a_mobile,nasnet_a_large,amoebanet,darts,inception_v3,googlenet",
             "--batch", "1,32", "--copies", "2"]
+# The kernel census (experiments/kernels.py): the chain nets whose batch-1 claims are closest.
+KERNELS = ["--models", "mobilenet_v2,efficientnet_b0,resnet50", "--batch", "1",
+           "--backends", "eager,nimble,nimble-cl-fuse,nimble-inductor-freeze"]
 # The model whose multi-stream replay is traced for the Gantt plot (6 streams in the analysis).
 TRACE_MODEL = "inception_v3"
 
@@ -79,6 +83,9 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         steps.append(("concurrency headroom: K model copies, one stream vs K streams",
                       [sys.executable, "-m", "experiments.headroom", *HEADROOM,
                        "--results", str(RESULTS)]))
+        steps.append(("kernel census: GPU tasks, their time and the GPU's busy share per call",
+                      [sys.executable, "-m", "experiments.kernels", *KERNELS,
+                       "--results", str(RESULTS)]))
         trace = RESULTS / gpu_slug() / f"trace_{TRACE_MODEL}_nimble.json"
         if not trace.exists():  # re-measures one row (redo) to record its trace
             steps.append((f"profiler trace of {TRACE_MODEL} (per-stream timeline)",
@@ -89,6 +96,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")
+    skipped.append("kernel census (experiments/kernels.py): needs a CUDA GPU")
     skipped.append(f"profiler trace of {TRACE_MODEL}: needs a CUDA GPU")
     skipped.append("claims: decided only by full-protocol GPU rows; reports for GPU folders were "
                    "rebuilt from the committed rows, not re-measured")

@@ -413,6 +413,27 @@ def test_a_speedup_claim_is_reproduced_only_if_every_run_meets_it(tmp_path):
     assert v["ours"] == "8.00x" and "3 runs" in v["note"]
 
 
+def test_kernel_census_rows_get_their_own_section_last_census_winning(results):
+    path = results / "h200" / "kernels.csv"
+    top = json.dumps([["sm90_xmma_fprop_implicit_gemm", 8.0, 48.9], ["triton_poi_fused", 8.0, 9.2]])
+    row = dict(model="mobilenet_v2", batch_size=1, backend="nimble", status="ok", reason="",
+               median_ms=0.4, kernels=138.0, kernel_ms=0.376, busy_ms=0.37, span_ms=0.418,
+               busy_share=0.9, top_kernels=top, commit="0df895a")
+    failed = dict(row, backend="tensorrt", status="unavailable", reason="not installed",
+                  median_ms=None, kernels=None, kernel_ms=None, busy_ms=None, span_ms=None,
+                  busy_share=None, top_kernels=None)
+    newer = dict(row, median_ms=0.39, kernels=137.0)
+    pd.DataFrame([row, failed, newer]).to_csv(path, index=False)
+    table = report.kernels_table(path)
+    assert list(table["backend"]) == ["nimble", "tensorrt"]
+    assert table.loc[0, "kernels"] == 137.0
+    assert table.loc[0, "costliest kernel"] == "sm90_xmma_fprop_implicit_gemm"
+    assert table.loc[1, "costliest kernel"] == ""
+    text = report.write_report(results / "h200", results).read_text()
+    assert "## Kernel census" in text and "| mobilenet_v2 | 1 | nimble | ok | 0.39 | 137.0 |" in text
+    assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
+
+
 def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     path = results / "h200" / "headroom.csv"
     rows = [dict(model="darts", batch_size=32, copies=2, one_copy_ms=5.0, one_stream_ms=10.0,

@@ -1,0 +1,161 @@
+"""Where a backend's time goes on the GPU: a kernel census of its calls.
+
+Each backend prepares the model as in ``experiments.run``; its calls then run back to back
+under the PyTorch profiler (CUPTI). Per call:
+
+* ``kernels``: GPU tasks (kernels, memcpys, memsets) issued;
+* ``kernel_ms``: their summed durations (what they cost one after the other);
+* ``busy_ms``: the time at least one of them runs (the union of their intervals: below
+  ``kernel_ms`` when streams overlap);
+* ``span_ms``: first start to last end, over all calls, per call;
+* ``busy_share = busy_ms / span_ms``: the rest is the GPU waiting for the host or between
+  dependent kernels. A graph replay near 1 is bounded by its kernels: only fewer or faster
+  kernels make it faster, not scheduling.
+
+    python -m experiments.kernels --models mobilenet_v2,efficientnet_b0 --batch 1 \\
+        --backends eager,nimble,nimble-inductor-freeze
+
+Rows go to ``<results>/<gpu>/kernels.csv`` (one per model x batch x backend, with the
+environment and the ten costliest kernel names); the report prints them. Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from .cli import int_list, model_list
+from .env import environment, gpu_slug, host_load
+from .models import build_model, example_input
+from .timing import measure
+
+__all__ = ["Census", "summarize", "census", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOP = 10    # kernel names kept per row
+# The row's own columns, in order (the environment's follow); a failed backend leaves the
+# figures empty, so every row of the file has the same columns.
+COLUMNS = ["model", "batch_size", "backend", "status", "reason", "median_ms", "prepare_s", "calls",
+           "kernels", "kernel_ms", "busy_ms", "span_ms", "busy_share", "top_kernels"]
+
+
+@dataclass
+class Census:
+    """Per-call figures of ``calls`` back-to-back calls (see the module docstring)."""
+
+    calls: int
+    kernels: float
+    kernel_ms: float
+    busy_ms: float
+    span_ms: float
+    busy_share: float
+    top: list[tuple[str, float, float]]     # (name, launches per call, us per call), costliest first
+
+
+def summarize(tasks: Iterable[tuple[str, float, float]], calls: int) -> Census:
+    """The census of GPU ``tasks`` (name, start us, end us) recorded over ``calls`` calls."""
+    if calls < 1:
+        raise ValueError(f"calls: expected at least 1, got {calls}")
+    tasks = sorted(tasks, key=lambda t: t[1])
+    if not tasks:
+        raise ValueError("no GPU task was recorded: did the calls run on a CUDA device?")
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    busy_us, run_start, run_end = 0.0, tasks[0][1], tasks[0][1]
+    for name, start, end in tasks:
+        if end < start:
+            raise ValueError(f"task {name!r} ends ({end}) before it starts ({start})")
+        by_name[name][0] += 1
+        by_name[name][1] += end - start
+        if start > run_end:                 # a gap: close the busy run so far
+            busy_us += run_end - run_start
+            run_start = start
+        run_end = max(run_end, end)
+    busy_us += run_end - run_start
+    span_us = max(t[2] for t in tasks) - tasks[0][1]
+    kernel_us = sum(total for _, total in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return Census(calls=calls, kernels=len(tasks) / calls, kernel_ms=kernel_us / calls / 1e3,
+                  busy_ms=busy_us / calls / 1e3, span_ms=span_us / calls / 1e3,
+                  busy_share=busy_us / span_us if span_us > 0 else 1.0,
+                  top=[(name, count / calls, total / calls) for name, (count, total) in top])
+
+
+def census(fn: Callable, inputs: Sequence[torch.Tensor], calls: int = 20, warmup: int = 20) -> Census:
+    """Run ``fn(*inputs)`` ``calls`` times back to back under the profiler; their census."""
+    from torch.profiler import ProfilerActivity, profile
+    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
+        raise ValueError("census counts CUDA kernels: the inputs must be CUDA tensors")
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(*inputs)
+            torch.cuda.synchronize()
+    tasks = [(e.name, float(e.time_range.start), float(e.time_range.end))
+             for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return summarize(tasks, calls)
+
+
+def measure_backend(name: str, batch_size: int, backend: str, *, iters: int = 200) -> dict:
+    """Prepare ``name`` with ``backend`` (inference), time it, count its kernels: one row."""
+    from baselines import get_backend, try_prepare
+    model = build_model(name).cuda().eval()
+    x = example_input(name, batch_size, "cuda")
+    row = {"model": name, "batch_size": batch_size, "backend": backend}
+    result = try_prepare(get_backend(backend), model, (x,), device="cuda")
+    if result.status != "ok":
+        return {**row, "status": result.status, "reason": result.reason}
+    timing = measure(result.fn, (x,), warmup=50, iters=iters)
+    found = asdict(census(result.fn, (x,)))
+    top = found.pop("top")
+    return {**row, "status": "ok", "reason": "", "median_ms": timing.median_ms,
+            "prepare_s": round(result.prepare_s, 2), **found,
+            "top_kernels": json.dumps([[n[:120], round(c, 2), round(us, 2)] for n, c, us in top])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from baselines import BACKENDS
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", required=True, type=model_list,
+                        help="comma-separated model names (experiments.models)")
+    parser.add_argument("--batch", type=int_list, default=[1], help="batch sizes, e.g. 1,32")
+    parser.add_argument("--backends", default="eager,nimble", help="comma-separated backend names")
+    parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
+    parser.add_argument("--iters", type=int, default=200, help="timed calls (>= 100 for the protocol)")
+    args = parser.parse_args(argv)
+    names = args.models
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; registered: {sorted(BACKENDS)}")
+    if not torch.cuda.is_available():
+        parser.error("this experiment counts CUDA kernels: no CUDA device is available here")
+    out = Path(args.results) / gpu_slug() / "kernels.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jobs = [(m, b, k) for m in names for b in args.batch for k in backends]
+    # the sweep's settings (conf/device/cuda.yaml), recorded in every row
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    for name, batch, backend in tqdm(jobs, desc="kernel census", unit="backend"):
+        found = measure_backend(name, batch, backend, iters=args.iters)
+        row = {**{c: found.get(c) for c in COLUMNS}, **environment("cuda"), **host_load()}
+        pd.DataFrame([row]).to_csv(out, mode="a", header=not out.exists(), index=False)
+        if row["status"] == "ok":
+            print(f"{name} b{batch} {backend}: {row['median_ms']:.3f} ms, {row['kernels']:.0f} kernels, "
+                  f"{row['kernel_ms']:.3f} ms of kernels, busy {row['busy_share']:.2f}", flush=True)
+        else:
+            print(f"{name} b{batch} {backend}: {row['status']}: {row['reason']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

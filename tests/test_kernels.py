@@ -1,0 +1,73 @@
+"""experiments.kernels: the kernel census of a backend's calls (its report section: test_report)."""
+import pytest
+import torch
+
+from experiments import kernels
+
+
+def test_summarize_counts_overlap_once_and_gaps_not_at_all():
+    # two calls; in each, two kernels overlap (two streams) and a third follows after a gap
+    tasks = []
+    for t0 in (0.0, 100.0):
+        tasks += [("conv", t0, t0 + 10), ("add", t0 + 5, t0 + 15), ("conv", t0 + 40, t0 + 50)]
+    c = kernels.summarize(reversed(tasks), calls=2)          # order of arrival does not matter
+    assert c.calls == 2 and c.kernels == 3
+    assert c.kernel_ms == pytest.approx(30 / 1e3)             # 10 + 10 + 10 us per call
+    assert c.busy_ms == pytest.approx(25 / 1e3)               # [0, 15] and [40, 50]
+    assert c.span_ms == pytest.approx(150 / 2 / 1e3)          # 0 .. 150 over two calls
+    assert c.busy_share == pytest.approx(50 / 150)
+    assert c.top == [("conv", 2.0, 20.0), ("add", 1.0, 10.0)]
+
+
+def test_summarize_keeps_the_costliest_names_only():
+    tasks = [(f"k{i}", float(i), float(i) + i / 10) for i in range(1, 30)]
+    top = kernels.summarize(tasks, calls=1).top
+    assert len(top) == kernels.TOP and top[0][0] == "k29" and top[-1][0] == "k20"
+
+
+def test_summarize_refuses_what_it_cannot_count():
+    with pytest.raises(ValueError, match="no GPU task was recorded"):
+        kernels.summarize([], calls=1)
+    with pytest.raises(ValueError, match="calls: expected at least 1, got 0"):
+        kernels.summarize([("k", 0.0, 1.0)], calls=0)
+    with pytest.raises(ValueError, match="task 'k' ends"):
+        kernels.summarize([("k", 5.0, 1.0)], calls=1)
+
+
+def test_census_needs_cuda_inputs():
+    with pytest.raises(ValueError, match="the inputs must be CUDA tensors"):
+        kernels.census(lambda x: x, (torch.zeros(1),))
+
+
+def test_cli_refuses_unknown_models_and_backends_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--models", "resnet5O"])
+    assert "unknown model 'resnet5O'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kernels.main(["--models", "resnet50", "--backends", "eager,nimbel"])
+    assert "unknown backend(s) ['nimbel']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kernels.main(["--models", "resnet50", "--batch", "1,x"])
+    assert "expected comma-separated integers, got '1,x'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a host without CUDA")
+def test_without_cuda_the_cli_says_so(capsys):
+    with pytest.raises(SystemExit):
+        kernels.main(["--models", "resnet50"])
+    assert "no CUDA device is available here" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_census_of_a_graph_replay_counts_its_kernels():
+    x = torch.randn(1 << 20, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = ((x + 1) * 2).relu()                    # three elementwise kernels, one after another
+    c = kernels.census(lambda _: graph.replay(), (x,), calls=10)
+    assert c.calls == 10 and c.kernels == pytest.approx(3)
+    assert 0 < c.busy_ms <= c.kernel_ms + 1e-9 and 0 < c.busy_share <= 1
+    assert sum(count for _, count, _ in c.top) == pytest.approx(3)
+    del y
