@@ -1,16 +1,17 @@
 """Where a backend's time goes on the GPU: a kernel census of its calls.
 
-Each backend prepares the model as in ``experiments.run``; its calls then run back to back
-under the PyTorch profiler (CUPTI). Per call:
+Each backend prepares the model as in ``experiments.run``; its calls then run under the
+PyTorch profiler (CUPTI), one at a time, each after a marker kernel so the GPU tasks of one
+call are told from the next's. Per call (means over the calls):
 
 * ``kernels``: GPU tasks (kernels, memcpys, memsets) issued;
 * ``kernel_ms``: their summed durations (what they cost one after the other);
 * ``busy_ms``: the time at least one of them runs (the union of their intervals: below
   ``kernel_ms`` when streams overlap);
-* ``span_ms``: first start to last end, over all calls, per call;
-* ``busy_share = busy_ms / span_ms``: the rest is the GPU waiting for the host or between
-  dependent kernels. A graph replay near 1 is bounded by its kernels: only fewer or faster
-  kernels make it faster, not scheduling.
+* ``span_ms``: the call's first task start to its last task end;
+* ``busy_share = busy_ms / span_ms``: the rest is the GPU waiting for the host (launches,
+  an input copy before a replay) or between dependent kernels. A graph replay near 1 is
+  bounded by its kernels: only fewer or faster kernels make it faster, not scheduling.
 
     python -m experiments.kernels --models mobilenet_v2,efficientnet_b0 --batch 1 \\
         --backends eager,nimble,nimble-inductor-freeze
@@ -40,6 +41,7 @@ __all__ = ["Census", "summarize", "census", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOP = 10    # kernel names kept per row
+_MARK_NAME, _MARK_CYCLES = "spin_kernel", 1000     # the marker between calls (torch.cuda._sleep)
 # The row's own columns, in order (the environment's follow); a failed backend leaves the
 # figures empty, so every row of the file has the same columns.
 COLUMNS = ["model", "batch_size", "backend", "status", "reason", "median_ms", "prepare_s", "calls",
@@ -59,36 +61,50 @@ class Census:
     top: list[tuple[str, float, float]]     # (name, launches per call, us per call), costliest first
 
 
-def summarize(tasks: Iterable[tuple[str, float, float]], calls: int) -> Census:
-    """The census of GPU ``tasks`` (name, start us, end us) recorded over ``calls`` calls."""
+def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Census:
+    """The census of GPU ``tasks`` (call index, name, start us, end us) of ``calls`` calls."""
     if calls < 1:
         raise ValueError(f"calls: expected at least 1, got {calls}")
-    tasks = sorted(tasks, key=lambda t: t[1])
-    if not tasks:
-        raise ValueError("no GPU task was recorded: did the calls run on a CUDA device?")
+    per_call: dict[int, list[tuple[float, float]]] = defaultdict(list)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    busy_us, run_start, run_end = 0.0, tasks[0][1], tasks[0][1]
-    for name, start, end in tasks:
+    for call, name, start, end in tasks:
         if end < start:
             raise ValueError(f"task {name!r} ends ({end}) before it starts ({start})")
+        if not 0 <= call < calls:
+            raise ValueError(f"task {name!r} belongs to call {call}; expected 0..{calls - 1}")
+        per_call[call].append((start, end))
         by_name[name][0] += 1
         by_name[name][1] += end - start
-        if start > run_end:                 # a gap: close the busy run so far
-            busy_us += run_end - run_start
-            run_start = start
-        run_end = max(run_end, end)
-    busy_us += run_end - run_start
-    span_us = max(t[2] for t in tasks) - tasks[0][1]
+    if len(per_call) < calls:
+        missing = sorted(set(range(calls)) - set(per_call))
+        raise ValueError(f"no GPU task was recorded in call(s) {missing[:5]}: did they run on a "
+                         "CUDA device?")
+    busy_us = span_us = 0.0
+    for intervals in per_call.values():
+        intervals.sort()
+        span_us += max(end for _, end in intervals) - intervals[0][0]
+        run_start, run_end = intervals[0]
+        for start, end in intervals[1:]:
+            if start > run_end:             # a gap: close the busy run so far
+                busy_us += run_end - run_start
+                run_start = start
+            run_end = max(run_end, end)
+        busy_us += run_end - run_start
     kernel_us = sum(total for _, total in by_name.values())
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
-    return Census(calls=calls, kernels=len(tasks) / calls, kernel_ms=kernel_us / calls / 1e3,
-                  busy_ms=busy_us / calls / 1e3, span_ms=span_us / calls / 1e3,
-                  busy_share=busy_us / span_us if span_us > 0 else 1.0,
+    return Census(calls=calls, kernels=sum(map(len, per_call.values())) / calls,
+                  kernel_ms=kernel_us / calls / 1e3, busy_ms=busy_us / calls / 1e3,
+                  span_ms=span_us / calls / 1e3, busy_share=busy_us / span_us if span_us > 0 else 1.0,
                   top=[(name, count / calls, total / calls) for name, (count, total) in top])
 
 
 def census(fn: Callable, inputs: Sequence[torch.Tensor], calls: int = 20, warmup: int = 20) -> Census:
-    """Run ``fn(*inputs)`` ``calls`` times back to back under the profiler; their census."""
+    """Run ``fn(*inputs)`` ``calls`` times under the profiler, each synchronised; their census.
+
+    Between two calls a short spin kernel (``torch.cuda._sleep``) runs alone: it marks where
+    one call's GPU tasks end and the next's begin, and is left out of the census. Only CUDA
+    activity is recorded, so the profiler adds no host work to a call.
+    """
     from torch.profiler import ProfilerActivity, profile
     if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         raise ValueError("census counts CUDA kernels: the inputs must be CUDA tensors")
@@ -98,10 +114,20 @@ def census(fn: Callable, inputs: Sequence[torch.Tensor], calls: int = 20, warmup
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
+                torch.cuda._sleep(_MARK_CYCLES)
+                torch.cuda.synchronize()
                 fn(*inputs)
-            torch.cuda.synchronize()
-    tasks = [(e.name, float(e.time_range.start), float(e.time_range.end))
-             for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+                torch.cuda.synchronize()
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    tasks, call = [], -1
+    for start, end, name in gpu:
+        if _MARK_NAME in name:
+            call += 1
+        elif call >= 0:
+            tasks.append((call, name, float(start), float(end)))
+    if call + 1 != calls:
+        raise RuntimeError(f"census: found {call + 1} call markers, expected {calls}")
     return summarize(tasks, calls)
 
 

@@ -8,30 +8,33 @@ from experiments import kernels
 def test_summarize_counts_overlap_once_and_gaps_not_at_all():
     # two calls; in each, two kernels overlap (two streams) and a third follows after a gap
     tasks = []
-    for t0 in (0.0, 100.0):
-        tasks += [("conv", t0, t0 + 10), ("add", t0 + 5, t0 + 15), ("conv", t0 + 40, t0 + 50)]
+    for call, t0 in enumerate((0.0, 1000.0)):
+        tasks += [(call, "conv", t0, t0 + 10), (call, "add", t0 + 5, t0 + 15),
+                  (call, "conv", t0 + 40, t0 + 50)]
     c = kernels.summarize(reversed(tasks), calls=2)          # order of arrival does not matter
     assert c.calls == 2 and c.kernels == 3
     assert c.kernel_ms == pytest.approx(30 / 1e3)             # 10 + 10 + 10 us per call
     assert c.busy_ms == pytest.approx(25 / 1e3)               # [0, 15] and [40, 50]
-    assert c.span_ms == pytest.approx(150 / 2 / 1e3)          # 0 .. 150 over two calls
-    assert c.busy_share == pytest.approx(50 / 150)
+    assert c.span_ms == pytest.approx(50 / 1e3)               # the gap between calls is not counted
+    assert c.busy_share == pytest.approx(25 / 50)
     assert c.top == [("conv", 2.0, 20.0), ("add", 1.0, 10.0)]
 
 
 def test_summarize_keeps_the_costliest_names_only():
-    tasks = [(f"k{i}", float(i), float(i) + i / 10) for i in range(1, 30)]
+    tasks = [(0, f"k{i}", float(i), float(i) + i / 10) for i in range(1, 30)]
     top = kernels.summarize(tasks, calls=1).top
     assert len(top) == kernels.TOP and top[0][0] == "k29" and top[-1][0] == "k20"
 
 
 def test_summarize_refuses_what_it_cannot_count():
-    with pytest.raises(ValueError, match="no GPU task was recorded"):
-        kernels.summarize([], calls=1)
+    with pytest.raises(ValueError, match=r"no GPU task was recorded in call\(s\) \[1\]"):
+        kernels.summarize([(0, "k", 0.0, 1.0)], calls=2)
     with pytest.raises(ValueError, match="calls: expected at least 1, got 0"):
-        kernels.summarize([("k", 0.0, 1.0)], calls=0)
+        kernels.summarize([(0, "k", 0.0, 1.0)], calls=0)
     with pytest.raises(ValueError, match="task 'k' ends"):
-        kernels.summarize([("k", 5.0, 1.0)], calls=1)
+        kernels.summarize([(0, "k", 5.0, 1.0)], calls=1)
+    with pytest.raises(ValueError, match=r"task 'k' belongs to call 3; expected 0..1"):
+        kernels.summarize([(3, "k", 0.0, 1.0)], calls=2)
 
 
 def test_census_needs_cuda_inputs():
