@@ -1118,10 +1118,12 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     if kernels is not None:
         md += ["## Kernel census: where a backend's time goes on the GPU", "",
-               "`python -m experiments.kernels`: calls back to back under the profiler. kernels = GPU "
+               "`python -m experiments.kernels`: calls one at a time under the profiler. kernels = GPU "
                "tasks per call; kernel_ms = their summed time; busy_ms = time at least one runs; "
-               "span_ms = first start to last end, per call; busy_share = busy / span (near 1: the "
-               "kernels themselves bound the call, not the host or the schedule).", "",
+               "span_ms = first start to last end under the profiler (which slows launches); "
+               "busy_share = busy_ms / median_ms, the call's latency by the timing protocol in the "
+               "same process (near 1: the kernels themselves bound the call, not the host or the "
+               "schedule).", "",
                md_table(kernels), ""]
 
     if streams is not None:
