@@ -107,6 +107,10 @@ def _static_environment(device: str) -> dict[str, str]:
         # native caching allocator or cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF): changes
         # the memory of multi-stream graphs, so it goes with the row (extra JSON)
         env["allocator"] = torch.cuda.get_allocator_backend()
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if alloc_conf and device.startswith("cuda"):
+        # expandable segments and the like change what a run reserves (extra JSON)
+        env["alloc_conf"] = alloc_conf
     return env
 
 

@@ -19,13 +19,13 @@ import copy
 from pathlib import Path
 from typing import Sequence
 
-import pandas as pd
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from .cli import int_list, model_list
 from .env import environment, gpu_slug, host_load
+from .store import append_table_row
 from .models import build_model, example_input
 from .timing import measure
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(m, b, k) for m in names for b in args.batch for k in args.copies]
     for name, batch, k in tqdm(jobs, desc="headroom", unit="setting"):
         row = overlap(name, batch, k, iters=args.iters)
-        pd.DataFrame([row]).to_csv(out, mode="a", header=not out.exists(), index=False)
+        append_table_row(out, row)
         print(f"{name} b{batch} x{k}: one stream {row['one_stream_ms']:.3f} ms, {k} streams "
               f"{row['k_streams_ms']:.3f} ms, overlap {row['overlap']:.2f}x", flush=True)
     return 0

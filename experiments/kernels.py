@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-import pandas as pd
 import torch
 from tqdm import tqdm
 
 from .cli import int_list, model_list
 from .env import environment, gpu_slug, host_load
+from .store import append_table_row
 from .models import build_model, example_input
 from .timing import measure
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, batch, backend in tqdm(jobs, desc="kernel census", unit="backend"):
         found = measure_backend(name, batch, backend, iters=args.iters)
         row = {**{c: found.get(c) for c in COLUMNS}, **environment("cuda"), **host_load()}
-        pd.DataFrame([row]).to_csv(out, mode="a", header=not out.exists(), index=False)
+        append_table_row(out, row)
         if row["status"] == "ok":
             print(f"{name} b{batch} {backend}: {row['median_ms']:.3f} ms, {row['kernels']:.0f} kernels, "
                   f"{row['kernel_ms']:.3f} ms of kernels, busy {row['busy_share']:.2f}", flush=True)

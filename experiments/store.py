@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "make_row", "row_key", "read_rows", "date_stamp"]
+__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "append_table_row", "make_row", "row_key",
+           "read_rows", "date_stamp"]
 
 COLUMNS: list[str] = [
     # what was measured
@@ -92,6 +93,33 @@ def read_rows(path: str | Path) -> list[dict[str, str]]:
         return []
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def append_table_row(path: str | Path, row: dict[str, Any]) -> None:
+    """Append ``row`` to an experiment's own table (``headroom.csv``, ``kernels.csv``).
+
+    The file's header, once written, decides the columns: a key the header lacks is refused
+    (a pandas append would shift the line under the wrong names), a column the row lacks is
+    left empty. The first row writes the header in its own key order.
+    """
+    path = Path(path)
+    header = None
+    if path.exists() and path.stat().st_size:
+        with path.open(newline="") as f:
+            header = next(csv.reader(f))
+    new = header is None
+    if new:
+        header = list(row)
+    unknown = [k for k in row if k not in header]
+    if unknown:
+        raise ValueError(f"{path.name} has no column(s) {unknown}: its rows were written by other "
+                         f"code; write to another results folder (its columns: {header})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header)
+        if new:
+            writer.writeheader()
+        writer.writerow({k: "" if row.get(k) is None else row[k] for k in header})
 
 
 class ResultStore:

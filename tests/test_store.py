@@ -131,3 +131,15 @@ def test_suite_commit_overrides_what_git_says(monkeypatch):
         assert env.git_commit() != "abc1234" and env.git_commit()
     finally:
         env.git_commit.cache_clear()
+
+
+def test_table_rows_keep_the_files_columns_and_refuse_new_ones(tmp_path):
+    from experiments.store import append_table_row
+    path = tmp_path / "h200" / "kernels.csv"
+    append_table_row(path, {"model": "resnet50", "median_ms": 0.5, "commit": "17e2523"})
+    append_table_row(path, {"commit": "abc", "model": "darts"})          # other order, one missing
+    assert read_rows(path) == [{"model": "resnet50", "median_ms": "0.5", "commit": "17e2523"},
+                               {"model": "darts", "median_ms": "", "commit": "abc"}]
+    with pytest.raises(ValueError, match=r"kernels.csv has no column\(s\) \['alloc_conf'\]"):
+        append_table_row(path, {"model": "darts", "alloc_conf": "expandable_segments:True"})
+    assert len(read_rows(path)) == 2                                     # nothing half-written
