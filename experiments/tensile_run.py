@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -176,6 +177,9 @@ def setting(exp) -> str:
         parts.append(f"budget={exp.budget:g}" if isinstance(exp.budget, float) else f"budget={exp.budget}")
     if not exp.cap_setup and (exp.memory_gb is not None or exp.memory_fraction is not None):
         parts.append("uncapped-setup")
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+        parts.append("expandable")   # the allocator maps pages as needed: less fragmentation
     return ",".join(parts)
 
 
@@ -360,12 +364,22 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(fraction)
     last: dict[str, torch.Tensor] = {}
+    phase = "warm-up"
 
     def call(b):
-        last["loss"] = step(b)
+        try:
+            last["loss"] = step(b)
+        except torch.OutOfMemoryError as exc:
+            # what the method had planned, for the error row (see _error_fields)
+            stats = step.stats()
+            if name in SCHEDULED:
+                stats = SchedulerReport(**stats).plan_figures()
+            exc.method_stats = {"oom_phase": phase, **stats}
+            raise
 
     for _ in range(warmup):
         call(batch)
+    phase = "timed steps"
     if cuda:  # blocks cached during warm-up (recording, compilation) would inflate reserved
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -486,9 +500,14 @@ def _memory_fraction(exp, device: str) -> float | None:
 
 
 def _error_fields(exc: BaseException, fraction: float | None) -> dict:
+    """An error row's fields; an out-of-memory error during the steps also keeps, in
+    ``extra``, the phase and what the method had planned (planned peak, budget, ...)."""
     if isinstance(exc, torch.OutOfMemoryError):
         at = "memory_fraction=1 (the whole GPU)" if fraction is None else f"memory_fraction={fraction:.4g}"
-        return {"status": "error", "reason": f"out of memory at {at}"}
+        fields = {"status": "error", "reason": f"out of memory at {at}"}
+        if getattr(exc, "method_stats", None):
+            fields["extra"] = dict(exc.method_stats)
+        return fields
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return {"status": "error", "reason": (text[0] if text else type(exc).__name__)[:300]}
 

@@ -159,6 +159,34 @@ def test_out_of_memory_is_an_error_row_and_the_job_goes_on(small, tmp_path, monk
     assert rows["save_on_cpu"]["status"] == "ok" and rows["save_on_cpu"]["extra"]["eor"] is not None
 
 
+def test_a_plan_that_runs_out_of_memory_keeps_what_it_planned(small, tmp_path, monkeypatch):
+    real = tensile_run.make_method
+
+    def make_method(name, *args, **kwargs):
+        step = real(name, *args, **kwargs)
+        if name != "tensile":
+            return step
+        calls = {"n": 0}
+
+        class Failing:                  # the planned step, out of memory at its third call
+            def __call__(self, batch):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise torch.OutOfMemoryError("CUDA out of memory")
+                return step(batch)
+
+            def stats(self):
+                return step.stats()
+        return Failing()
+
+    monkeypatch.setattr(tensile_run, "make_method", make_method)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]"))
+    t = _rows(tmp_path)["tensile"]
+    assert t["status"] == "error" and t["reason"].startswith("out of memory at")
+    assert t["extra"]["oom_phase"] in ("warm-up", "timed steps")
+    assert t["extra"]["planned_peak_mb"] > 0 and "plan_feasible" in t["extra"]
+
+
 def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_path, monkeypatch):
     real = tensile_run.make_method
 
@@ -274,10 +302,14 @@ def test_methods_run_after_what_they_are_measured_against():
         "vanilla", "graph", "checkpoint_graph", "tensile_graph"]
 
 
-def test_setting_and_label_name_what_changes_the_measurement():
+def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
                     "experiment.activation_memory_budget=0.3"]).experiment
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5,expandable"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert tensile_run.method_label("compile_budget", exp) == "compile_budget=0.3"
     assert tensile_run.method_label("tensile", exp) == "tensile"
     assert tensile_run.method_label("tensile_graph", exp) == "tensile_graph"
