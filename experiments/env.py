@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from nimble.allocator import allocator_conf
+
 __all__ = ["environment", "gpu_name", "gpu_slug", "precision_flags", "git_commit", "host_load"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -107,7 +109,7 @@ def _static_environment(device: str) -> dict[str, str]:
         # native caching allocator or cudaMallocAsync (PYTORCH_CUDA_ALLOC_CONF): changes
         # the memory of multi-stream graphs, so it goes with the row (extra JSON)
         env["allocator"] = torch.cuda.get_allocator_backend()
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    alloc_conf = allocator_conf()
     if alloc_conf and device.startswith("cuda"):
         # expandable segments and the like change what a run reserves (extra JSON)
         env["alloc_conf"] = alloc_conf

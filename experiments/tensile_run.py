@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from experiments.run import ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
 from experiments.store import ResultStore, row_key
 from experiments.timing import measure
+from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
@@ -177,8 +177,7 @@ def setting(exp) -> str:
         parts.append(f"budget={exp.budget:g}" if isinstance(exp.budget, float) else f"budget={exp.budget}")
     if not exp.cap_setup and (exp.memory_gb is not None or exp.memory_fraction is not None):
         parts.append("uncapped-setup")
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+    if expandable_segments():
         parts.append("expandable")   # the allocator maps pages as needed: less fragmentation
     return ",".join(parts)
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from typing import Iterator
 
 import torch
 
-__all__ = ["allocator_backend", "graph_memory_used", "GraphMemoryMeter", "measure_eager_peak"]
+__all__ = ["allocator_backend", "allocator_conf", "expandable_segments", "graph_memory_used",
+           "GraphMemoryMeter", "measure_eager_peak"]
 
 _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
 
@@ -32,6 +34,31 @@ _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
 def allocator_backend() -> str:
     """``"native"`` or ``"cudaMallocAsync"`` (fixed once CUDA is initialised)."""
     return torch.cuda.get_allocator_backend()
+
+
+def allocator_conf() -> str:
+    """The allocator settings the process was started with: ``PYTORCH_ALLOC_CONF``, or
+    ``PYTORCH_CUDA_ALLOC_CONF`` (its older name, which newer PyTorch still reads); ``""``."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
+def expandable_segments(conf: str | None = None) -> bool:
+    """Whether the caching allocator uses expandable segments: it then maps pages into a
+    segment as it grows, so what it reserves stays close to what is allocated instead of
+    fragmenting into fixed-size segments.
+
+    With ``conf`` given: whether that setting string turns them on. Without: the allocator's
+    own answer once CUDA has started (``torch.cuda.memory._snapshot()``; some releases
+    silently ignored ``PYTORCH_ALLOC_CONF`` for it, pytorch/pytorch#183387), else the
+    environment's setting.
+    """
+    if conf is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            return bool(torch.cuda.memory._snapshot()["allocator_settings"]["expandable_segments"])
+        except (AttributeError, KeyError, RuntimeError, TypeError):   # private: may move
+            pass
+    conf = allocator_conf() if conf is None else conf
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 @functools.lru_cache(maxsize=1)

@@ -357,3 +357,16 @@ def test_a_failed_instantiation_says_which_call(monkeypatch):
     monkeypatch.setattr(priority, "_libcuda", lambda: fake)
     with pytest.raises(RuntimeError, match=r"cuGraphInstantiateWithFlags\(USE_NODE_PRIORITY\) failed with CUresult 1"):
         priority.NodePriorityGraph(SimpleNamespace(raw_cuda_graph=lambda: 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA the setting comes from the environment")
+def test_expandable_segments_are_read_from_either_allocator_variable(monkeypatch):
+    from nimble.allocator import allocator_conf, expandable_segments
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert allocator_conf() == "" and not expandable_segments()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    assert expandable_segments()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")   # the newer name wins
+    assert allocator_conf() == "expandable_segments:False" and not expandable_segments()
+    assert expandable_segments("expandable_segments: true")

@@ -306,6 +306,7 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
                     "experiment.activation_memory_budget=0.3"]).experiment
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert tensile_run.setting(exp) == "whole-step,mem=16GiB,budget=0.5,expandable"
@@ -405,7 +406,8 @@ def test_presets_cover_the_papers_workloads():
     assert str(cost.hydra.sweeper.params["experiment.stream_prefetch"]) == "1,2,4"
     assert str(cost.hydra.sweeper.params["experiment.stream_resident"]) == "0,4"
     budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
-    assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16,24,48,80"
+    assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16"
+    assert str(budget.hydra.sweeper.params.batch_size) == "256" and budget.experiment.cap_setup is False
     for cfg in (single, batch, budget, captured, streamed, cost):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 

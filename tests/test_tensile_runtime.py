@@ -534,3 +534,15 @@ def test_concatenations_rebuilt_from_kept_inputs_train_bit_identically():
     assert report.recomputes == steps * len(p.recomputes) and report.ineffective_releases == 0
     for a, b in zip(*states):
         assert torch.equal(a, b)
+
+
+def test_a_budget_on_cuda_without_expandable_segments_gets_a_hint():
+    from tensile.api import fragmentation_hint
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    hint = fragmentation_hint(2**30, cuda, "")
+    assert "1024 MiB" in hint and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in hint
+    assert fragmentation_hint(2**30, cuda, "max_split_size_mb:128") == hint
+    assert fragmentation_hint(2**30, cuda, "expandable_segments:True") is None
+    assert fragmentation_hint(2**30, cuda, "max_split_size_mb:128, expandable_segments: true") is None
+    assert fragmentation_hint(None, cuda, "") is None          # no budget: nothing to overrun
+    assert fragmentation_hint(2**30, cpu, "") is None          # the CPU has no caching allocator
