@@ -471,6 +471,27 @@ def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
                                       *TENSILE_METRICS, "commit", "date"])
 
 
+def tensile_capped_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Settings run under a memory cap (a smaller GPU emulated, ``mem=`` in the mode): per
+    model, batch and setting, each method's median step (ms) and allocated peak (MiB), or
+    ``out of memory`` — which methods train the job at all on that GPU. The latest
+    full-protocol row of each method wins."""
+    rows = df[(df["experiment"] == "tensile") & df["mode"].str.contains("mem=", regex=False)
+              & ~df["smoke"]]
+    out = []
+    for (model, batch, mode), group in rows.groupby(["model", "batch_size", "mode"], sort=True):
+        line = {"model": model, "batch_size": batch, "setting": mode}
+        for _, r in group.iterrows():
+            if r["status"] == "ok":
+                line[r["backend"]] = f"{r['median_ms']:.1f} ms, {r['peak_mem_mb']:.0f} MiB"
+            else:
+                line[r["backend"]] = "out of memory" if "out of memory" in str(r["reason"]) \
+                    else str(r["status"])
+        out.append(line)
+    table = pd.DataFrame(out)
+    return table.fillna("") if len(table) else table
+
+
 # What a TENSILE-planned row assumed (its plan) beside what its timed steps measured.
 # *_captured: the copies inside a replay of a captured plan (tensile_graph).
 PLAN_CHECK_COLUMNS = ["model", "batch_size", "method", "time_vanilla_ms", "mean_ms", "plan_iteration_ms",
@@ -1050,6 +1071,15 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "in the same process; *_vs_graph: a captured TENSILE step against the captured "
                "vanilla step (`graph`).", "",
                md_table(metrics.drop(columns="date").dropna(axis=1, how="all").round(3)), ""]
+        capped = tensile_capped_table(df)
+        if len(capped):
+            md += ["### Smaller GPUs emulated: which methods train the job", "",
+                   "`experiment.memory_gb` caps the process's memory "
+                   "(`torch.cuda.set_per_process_memory_fraction`); TENSILE plans to 90 % of the cap. "
+                   "Each cell: median step and allocated peak, or out of memory. `uncapped-setup`: "
+                   "TENSILE recorded its step before the cap was set (the recording runs one vanilla "
+                   "step); `expandable`: the allocator ran with expandable segments.", "",
+                   md_table(capped), ""]
         paper_tensile = _read_csv(paper_dir / "tensile_single_b16.csv")
         if paper_tensile is not None:
             md += ["### Against the TENSILE authors' single-job figures", "",

@@ -255,6 +255,27 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert "## TENSILE" in text and "Speedup over eager" not in text
 
 
+def test_capped_settings_say_which_methods_train_the_job(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    base = dict(experiment="tensile", model="resnet50", batch_size=256, device="cuda",
+                gpu="NVIDIA H200", warmup=5, iters=50)
+    capped = "whole-step,mem=16GiB,expandable"
+    store.append(dict(base, mode=capped, backend="vanilla", status="error",
+                      reason="out of memory at memory_fraction=0.1144"))
+    store.append(dict(base, mode=capped, backend="tensile", status="ok", median_ms=146.89,
+                      mean_ms=150.0, peak_mem_mb=14375.2))
+    store.append(dict(base, mode=capped, backend="sac", status="error", reason="RuntimeError: x"))
+    store.append(dict(base, mode="whole-step", backend="vanilla", status="ok", median_ms=120.0,
+                      mean_ms=120.0, peak_mem_mb=21000.0))                 # not capped: not here
+    table = report.tensile_capped_table(report.load_rows(tmp_path / "h200"))
+    assert len(table) == 1 and table.loc[0, "setting"] == capped
+    assert table.loc[0, "vanilla"] == "out of memory"
+    assert table.loc[0, "tensile"] == "146.9 ms, 14375 MiB"
+    assert table.loc[0, "sac"] == "error"
+    text = report.write_report(tmp_path / "h200", tmp_path).read_text()
+    assert "### Smaller GPUs emulated" in text
+
+
 def test_tensile_against_each_builtin_at_its_own_peak(tmp_path):
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
     _tensile_row(store, "vanilla", 100.0, 1000.0, 0.0, 0.0)
