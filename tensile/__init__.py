@@ -8,7 +8,8 @@ one GPU: ``python -m tensile.server`` plans them jointly; jobs connect with
 can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile.graph`).
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
 (:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
-(:mod:`tensile.resident`).
+(:mod:`tensile.resident`). A job too large to run one step unplanned is recorded at small
+batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -16,6 +17,7 @@ from .graph import GraphStep
 from .plan import Plan, Recompute, Swap
 from .planner import plan
 from .record import Recording, record_step
+from .scale import ScaleError, scale_recording
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .step import training_step
@@ -31,6 +33,7 @@ __all__ = [
     "Scheduler", "SchedulerReport", "GraphStep", "AccessTimeline", "TensorInfo", "Plan", "Swap",
     "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
+    "ScaleError", "scale_recording",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
     "StreamedOptimizer", "stream_optimizer", "tune_resident",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",

@@ -50,6 +50,7 @@ from .planner import COPY_LATENCY_MS
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
+from .scale import batch_size_of, scale_recording, slice_batch
 from .step import training_step
 from .streamed import streamed_of
 from .timeline import AccessTimeline
@@ -227,6 +228,10 @@ class Scheduler:
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
     ``allow_swaps=False`` plans recomputation only (local planning).
+    ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on that many first samples of
+    the example batch, not on all of it, and scale the recording to the example's batch
+    size (:mod:`tensile.scale`): for a job that does not fit the GPU without its plan.
+    Refused (``ScaleError``) for a model whose step is not linear in the batch size.
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
@@ -257,7 +262,8 @@ class Scheduler:
                  max_overhead: float = 0.0,
                  replan: bool = True, planner: Callable[..., Plan] | None = None,
                  scheduler_socket: str | os.PathLike | None = None, job_id: str | None = None,
-                 weight: float = 1.0, client_kwargs: dict | None = None) -> None:
+                 weight: float = 1.0, client_kwargs: dict | None = None,
+                 record_batches: Sequence[int] | None = None) -> None:
         params = list(model.parameters())
         if not params:
             raise ValueError("the model has no parameters")
@@ -291,7 +297,10 @@ class Scheduler:
             max_overhead=max_overhead, allow_swaps=allow_swaps)
 
         self._example = _signature(example_batch)
-        self.recording = self._record(example_batch)
+        if record_batches is None:
+            self.recording = self._record(example_batch)
+        else:
+            self.recording = self._record_scaled(example_batch, record_batches)
         self._init_pending = self._fresh_optimizer
         dtype = params[0].dtype
         if peak_flops is None or peak_bytes_per_s is None:
@@ -623,6 +632,21 @@ class Scheduler:
                          min_bytes=self.min_bytes)
         self.planner_ms_total += p.planner_ms
         return p
+
+    def _record_scaled(self, batch: Sequence, sizes: Sequence[int]) -> Recording:
+        """The step at ``batch``'s size, scaled from steps recorded on its first ``sizes``
+        samples (:mod:`tensile.scale`): a job that does not fit unplanned never runs whole
+        before its plan does."""
+        full = batch_size_of(batch)
+        sizes = list(sizes)
+        bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < full]
+        if bad or len(set(sizes)) < 3:
+            raise ValueError(f"record_batches: expected three or more different batch sizes "
+                             f"between 1 and {full - 1} (the example batch has {full}); got {sizes}")
+        recordings = [(b, self._record(slice_batch(batch, b))) for b in sizes]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return scale_recording(recordings, full)
 
     def _record(self, batch: Sequence) -> Recording:
         """Record a steady-state step, then put model, optimizer and RNG back as they were."""
