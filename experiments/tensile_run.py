@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import ListConfig
 
 from experiments.run import ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
@@ -122,6 +123,15 @@ def validate(cfg, models: dict) -> None:
                           f"got {sov!r}")
     if not isinstance(exp.get("allow_swaps", True), bool):
         raise ConfigError(f"experiment.allow_swaps must be true or false, got {exp.allow_swaps!r}")
+    rb = exp.get("record_batches")
+    if rb is not None:
+        sizes = list(rb) if isinstance(rb, (list, tuple, ListConfig)) else None
+        if sizes is None or len(set(sizes)) < 3 or any(
+                isinstance(b, bool) or not isinstance(b, int) or not 0 < b < cfg.batch_size
+                for b in sizes):
+            raise ConfigError(f"experiment.record_batches must be null or three or more different "
+                              f"batch sizes below batch_size={cfg.batch_size}, e.g. [2, 4, 8]; "
+                              f"got {rb!r}")
     amb = exp.activation_memory_budget
     if not isinstance(amb, (int, float)) or isinstance(amb, bool) or not 0 <= amb <= 1:
         raise ConfigError(f"experiment.activation_memory_budget must be in [0, 1], got {amb!r}")
@@ -182,6 +192,13 @@ def setting(exp) -> str:
     return ",".join(parts)
 
 
+def record_knobs(name: str, exp) -> list[str]:
+    """``record_batches=2-4-8`` for a method run on TENSILE's runtime that records so."""
+    if name in SCHEDULED and exp.get("record_batches"):
+        return ["record_batches=" + "-".join(str(b) for b in exp.record_batches)]
+    return []
+
+
 def method_label(name: str, exp) -> str:
     """The row's ``backend``: the method, with its own knob where it has one."""
     if name == "compile_budget":
@@ -194,8 +211,10 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
         if not exp.get("allow_swaps", True):
             knobs.append("allow_swaps=false")
-        knobs += stream_knobs(name, exp)
+        knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
+    if name in SCHEDULED and record_knobs(name, exp):
+        return f"{name}({','.join(record_knobs(name, exp))})"
     if name == "streamed_graph":
         return f"{name}({','.join(stream_knobs(name, exp))})"
     return name
@@ -472,6 +491,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["budget"] = budget
         if name in STREAMED and exp.get("stream_optimizer", 0):
             opts.update(stream_opts(exp))
+        if name in SCHEDULED and exp.get("record_batches"):
+            opts["record_batches"] = tuple(int(b) for b in exp.record_batches)
         if name in PLANNED and exp.get("max_overhead", 0.0):
             opts["max_overhead"] = float(exp.max_overhead)
         if name in PLANNED:

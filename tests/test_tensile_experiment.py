@@ -187,6 +187,16 @@ def test_a_plan_that_runs_out_of_memory_keeps_what_it_planned(small, tmp_path, m
     assert t["extra"]["planned_peak_mb"] > 0 and "plan_feasible" in t["extra"]
 
 
+def test_tensile_recorded_at_small_batches_is_its_own_row(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]",
+                        "experiment.record_batches=[1,2,3]"))
+    rows = _rows(tmp_path)
+    assert set(rows) == {"vanilla", "tensile(record_batches=1-2-3)"}
+    t = rows["tensile(record_batches=1-2-3)"]
+    assert t["status"] == "ok", t["reason"]
+    assert t["extra"]["planned_peak_vanilla_mb"] > 0
+
+
 def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_path, monkeypatch):
     real = tensile_run.make_method
 
@@ -205,6 +215,8 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
 # --------------------------------------------------------------------------- validation
 
 @pytest.mark.parametrize("overrides, match", [
+    (["experiment.record_batches=[1,2]"], r"record_batches must be null or three or more .* got \[1, 2\]"),
+    (["experiment.record_batches=[1,2,4]"], r"below batch_size=4"),
     (["experiment.methods=[vanilla,bogus]"], r"unknown method\(s\) \['bogus'\]; valid: vanilla, checkpoint"),
     (["experiment.methods=[]"], "experiment.methods is empty"),
     (["experiment.methods=[vanilla,vanilla]"], "lists a method twice"),
