@@ -42,6 +42,21 @@ def test_a_scaled_recording_equals_the_whole_one(make):
     assert scaled.graph.nodes[0].storage_bytes[x_sid] == full[0].numel() * 4
 
 
+@pytest.mark.parametrize("name, hw", [("resnet18", 32), ("googlenet", 64)])
+def test_torchvision_models_scale_exactly(name, hw):
+    import torchvision
+
+    def make():
+        torch.manual_seed(0)
+        kwargs = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
+        return getattr(torchvision.models, name)(num_classes=10, **kwargs)
+    full = (torch.randn(8, 3, hw, hw), torch.randint(0, 10, (8,)))
+    whole = recorded(make(), full)
+    scaled = scale_recording([(b, recorded(make(), slice_batch(full, b))) for b in (2, 3, 4)], 8)
+    assert _structure(scaled) == _structure(whole)
+    assert [get() for get, _ in _slots(scaled)] == [get() for get, _ in _slots(whole)]
+
+
 class BatchDependent(nn.Module):
     """Takes another path for batches above 3: its op sequence depends on the batch size."""
 
