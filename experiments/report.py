@@ -819,6 +819,37 @@ def plot_multistream(df: pd.DataFrame, headroom: pd.DataFrame | None = None) -> 
     return fig
 
 
+def plot_kernel_census(kernels: pd.DataFrame) -> Figure | None:
+    """One panel per model and batch: each backend's call latency (median ms) split into the
+    time the GPU runs something (busy) and the rest, with the GPU tasks per call at the bar's
+    end (:func:`kernels_table`)."""
+    ok = kernels[kernels["status"] == "ok"]
+    if ok.empty:
+        return None
+    groups = list(ok.groupby(["model", "batch_size"], sort=True))
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 0.5 + 1.9 * rows), squeeze=False)
+    for ax, ((model, batch), g) in zip(axes.flat, groups):
+        y = np.arange(len(g))
+        busy = np.minimum(g["busy_ms"].to_numpy(float), g["median_ms"].to_numpy(float))
+        ax.barh(y, busy, color="tab:green", label="GPU busy")
+        ax.barh(y, g["median_ms"].to_numpy(float) - busy, left=busy, color="lightgrey",
+                label="GPU idle")
+        for yi, (ms, k) in enumerate(zip(g["median_ms"], g["kernels"])):
+            ax.text(ms, yi, f" {k:.0f}", va="center", fontsize=7)
+        ax.set_yticks(y, g["backend"], fontsize=7)
+        ax.set_title(f"{model}, batch {batch}", fontsize=9)
+        ax.set_xlabel("ms per call", fontsize=8)
+        ax.set_xlim(0, g["median_ms"].max() * 1.25)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7, loc="upper right")
+    fig.suptitle("Kernel census: latency = GPU busy + idle (numbers: GPU tasks per call)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 
 
@@ -1154,7 +1185,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "busy_share = busy_ms / median_ms, the call's latency by the timing protocol in the "
                "same process (near 1: the kernels themselves bound the call, not the host or the "
                "schedule).", "",
-               md_table(kernels), ""]
+               md_table(kernels), "", "![kernel_census.png](kernel_census.png)", ""]
+        figures["kernel_census.png"] = plot_kernel_census(kernels)
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

@@ -452,6 +452,10 @@ def test_kernel_census_rows_get_their_own_section_last_census_winning(results):
     assert table.loc[1, "costliest kernel"] == ""
     text = report.write_report(results / "h200", results).read_text()
     assert "## Kernel census" in text and "| mobilenet_v2 | 1 | nimble | ok | 0.39 | 137.0 |" in text
+    assert (results / "h200" / "kernel_census.png").exists()
+    fig = report.plot_kernel_census(table)
+    assert [ax.get_title() for ax in fig.axes if ax.get_title()] == ["mobilenet_v2, batch 1"]
+    assert report.plot_kernel_census(table[table["status"] != "ok"]) is None
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
 
 
