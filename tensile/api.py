@@ -173,8 +173,10 @@ class SchedulerReport:
         ])
 
 
-def fragmentation_hint(budget_bytes: int | None, device: torch.device, conf: str) -> str | None:
-    """A warning for a budget on a CUDA device without expandable segments, else None.
+def fragmentation_hint(budget_bytes: int | None, device: torch.device,
+                       expandable: Callable[[], bool]) -> str | None:
+    """A warning for a budget on a CUDA device without expandable segments, else None
+    (``expandable()`` says whether they are on; asked only for a budget on CUDA).
 
     A plan counts allocated bytes; a memory cap (a smaller GPU,
     ``set_per_process_memory_fraction``) counts what the caching allocator reserves, which
@@ -182,7 +184,7 @@ def fragmentation_hint(budget_bytes: int | None, device: torch.device, conf: str
     under a 16 GiB cap, planned to about 14,500 MiB, ran out of memory with the default
     allocator and trained with expandable segments (16,124 of 16,384 MiB reserved at most).
     """
-    if budget_bytes is None or device.type != "cuda" or expandable_segments(conf):
+    if budget_bytes is None or device.type != "cuda" or expandable():
         return None
     return (f"tensile: a memory budget ({budget_bytes / 2**20:.0f} MiB) counts allocated bytes, "
             "and the caching allocator's fragmentation can reserve 10-40 % more; under a memory "
@@ -321,8 +323,7 @@ class Scheduler:
         self.captures = 0                               # graphs captured by capture()
         vanilla_peak = int(self.recording.timeline(self.times.op_ms).vanilla_curve().max())
         self.budget_bytes = resolve_budget(budget, self.device, vanilla_peak, self.simulate)
-        hint = fragmentation_hint(self.budget_bytes, self.device,
-                                  "expandable_segments:True" if expandable_segments() else "")
+        hint = fragmentation_hint(self.budget_bytes, self.device, expandable_segments)
         if hint:
             warnings.warn(hint, stacklevel=2)
 
