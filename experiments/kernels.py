@@ -53,7 +53,7 @@ COLUMNS = ["model", "batch_size", "backend", "status", "reason", "median_ms", "p
 
 @dataclass
 class Census:
-    """Per-call figures of ``calls`` back-to-back calls (see the module docstring)."""
+    """Per-call figures (means over ``calls`` calls, see the module docstring)."""
 
     calls: int
     kernels: float
