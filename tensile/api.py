@@ -230,9 +230,10 @@ class Scheduler:
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
     ``allow_swaps=False`` plans recomputation only (local planning).
-    ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on that many first samples of
-    the example batch, not on all of it, and scale the recording to the example's batch
-    size (:mod:`tensile.scale`): for a job that does not fit the GPU without its plan.
+    ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
+    samples of the example batch, not on all of it, and scale the recording to the
+    example's batch size (:mod:`tensile.scale`): for a job that does not fit the GPU
+    without its plan.
     Refused (``ScaleError``) for a model whose step is not linear in the batch size.
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
