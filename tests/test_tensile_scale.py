@@ -42,7 +42,7 @@ def test_a_scaled_recording_equals_the_whole_one(make):
     assert scaled.graph.nodes[0].storage_bytes[x_sid] == full[0].numel() * 4
 
 
-@pytest.mark.parametrize("name, hw", [("resnet18", 32), ("googlenet", 64)])
+@pytest.mark.parametrize("name, hw", [("resnet18", 32), ("mobilenet_v2", 32), ("googlenet", 64)])
 def test_torchvision_models_scale_exactly(name, hw):
     import torchvision
 
