@@ -214,33 +214,41 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=cols).sort_values(cols[:5], ignore_index=True)
 
 
-def headroom_table(path: Path) -> pd.DataFrame | None:
-    """The rows of ``headroom.csv`` (last measurement per model, batch and K), or None."""
+def _latest_rows(path: Path, keys: list[str]) -> pd.DataFrame | None:
+    """An experiment's own table (``headroom.csv``, ``kernels.csv``): its last row per
+    ``keys``, sorted by them; None when there is no such file or no row."""
     if not path.exists():
         return None
     df = pd.read_csv(path, dtype={"commit": str})   # "17e2523" is a commit, not 1.7e2524
     if not len(df):
         return None
-    keys = ["model", "batch_size", "copies"]
-    df = df.drop_duplicates(keys, keep="last").sort_values(keys)
-    cols = keys + ["one_copy_ms", "one_stream_ms", "k_streams_ms", "overlap", "host_load_1m", "commit"]
+    return df.drop_duplicates(keys, keep="last").sort_values(keys)
+
+
+def _columns(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
     return df[[c for c in cols if c in df.columns]].round(3).reset_index(drop=True)
+
+
+def headroom_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``headroom.csv`` (last measurement per model, batch and K), or None."""
+    keys = ["model", "batch_size", "copies"]
+    df = _latest_rows(path, keys)
+    if df is None:
+        return None
+    return _columns(df, keys + ["one_copy_ms", "one_stream_ms", "k_streams_ms", "overlap",
+                                "host_load_1m", "commit"])
 
 
 def kernels_table(path: Path) -> pd.DataFrame | None:
     """The rows of ``kernels.csv`` (last census per model, batch and backend), or None."""
-    if not path.exists():
-        return None
-    df = pd.read_csv(path, dtype={"commit": str})
-    if not len(df):
-        return None
     keys = ["model", "batch_size", "backend"]
-    df = df.drop_duplicates(keys, keep="last").sort_values(keys)
+    df = _latest_rows(path, keys)
+    if df is None:
+        return None
     df["costliest kernel"] = df["top_kernels"].map(
         lambda t: json.loads(t)[0][0][:60] if isinstance(t, str) and t.startswith("[[") else "")
-    cols = keys + ["status", "median_ms", "kernels", "kernel_ms", "busy_ms", "span_ms", "busy_share",
-                   "costliest kernel", "commit"]
-    return df[[c for c in cols if c in df.columns]].round(3).reset_index(drop=True)
+    return _columns(df, keys + ["status", "median_ms", "kernels", "kernel_ms", "busy_ms", "span_ms",
+                                "busy_share", "costliest kernel", "commit"])
 
 
 def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
