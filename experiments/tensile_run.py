@@ -47,6 +47,7 @@ from tensile.api import SchedulerReport, gb_per_s
 from tensile.planner import COPY_LATENCY_MS
 from tensile.step import training_step
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
+from tensile.scale import valid_record_batches
 from tensile.streamed import DEFAULT_PREFETCH
 
 log = logging.getLogger(__name__)
@@ -125,10 +126,8 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"experiment.allow_swaps must be true or false, got {exp.allow_swaps!r}")
     rb = exp.get("record_batches")
     if rb is not None:
-        sizes = list(rb) if isinstance(rb, (list, tuple, ListConfig)) else None
-        if sizes is None or len(set(sizes)) < 3 or any(
-                isinstance(b, bool) or not isinstance(b, int) or not 0 < b < cfg.batch_size
-                for b in sizes):
+        if not isinstance(rb, (list, tuple, ListConfig)) or \
+                not valid_record_batches(list(rb), cfg.batch_size):
             raise ConfigError(f"experiment.record_batches must be null or three or more different "
                               f"batch sizes below batch_size={cfg.batch_size}, e.g. [2, 4, 8]; "
                               f"got {rb!r}")
@@ -213,8 +212,9 @@ def method_label(name: str, exp) -> str:
             knobs.append("allow_swaps=false")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
-    if name in SCHEDULED and record_knobs(name, exp):
-        return f"{name}({','.join(record_knobs(name, exp))})"
+    recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
+    if recorded:
+        return f"{name}({','.join(recorded)})"
     if name == "streamed_graph":
         return f"{name}({','.join(stream_knobs(name, exp))})"
     return name

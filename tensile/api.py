@@ -50,7 +50,7 @@ from .planner import COPY_LATENCY_MS
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
-from .scale import batch_size_of, scale_recording, slice_batch
+from .scale import batch_size_of, scale_recording, slice_batch, valid_record_batches
 from .step import training_step
 from .streamed import streamed_of
 from .timeline import AccessTimeline
@@ -641,8 +641,7 @@ class Scheduler:
         before its plan does."""
         full = batch_size_of(batch)
         sizes = list(sizes)
-        bad = [b for b in sizes if isinstance(b, bool) or not isinstance(b, int) or not 0 < b < full]
-        if bad or len(set(sizes)) < 3:
+        if not valid_record_batches(sizes, full):
             raise ValueError(f"record_batches: expected three or more different batch sizes "
                              f"between 1 and {full - 1} (the example batch has {full}); got {sizes}")
         recordings = [(b, self._record(slice_batch(batch, b))) for b in sizes]

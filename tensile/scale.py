@@ -26,7 +26,7 @@ import torch
 
 from .record import Recording
 
-__all__ = ["ScaleError", "scale_recording", "slice_batch", "batch_size_of"]
+__all__ = ["ScaleError", "scale_recording", "slice_batch", "batch_size_of", "valid_record_batches"]
 
 
 class ScaleError(ValueError):
@@ -40,6 +40,13 @@ def batch_size_of(batch: Sequence) -> int:
         raise ScaleError(f"every tensor of the batch needs the batch size as dimension 0; "
                          f"found sizes {sorted(sizes)} there")
     return sizes.pop()
+
+
+def valid_record_batches(sizes: Sequence, full: int) -> bool:
+    """Whether ``sizes`` can record a step of batch ``full``: three or more different ints,
+    each between 1 and ``full - 1``."""
+    return len(set(sizes)) >= 3 and all(
+        not isinstance(b, bool) and isinstance(b, int) and 0 < b < full for b in sizes)
 
 
 def slice_batch(batch: Sequence, size: int) -> tuple:
