@@ -88,6 +88,7 @@ def validate(cfg, models: dict) -> None:
     if "streamed_graph" in methods and not exp.get("stream_optimizer", 0):
         raise ConfigError("method streamed_graph streams the optimizer: set "
                           "experiment.stream_optimizer to a number of groups (16, say)")
+    _check_match_peak(exp, methods)
     if exp.optimizer not in OPTIMIZERS:
         raise ConfigError(f"experiment.optimizer={exp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     warmup, iters, repeats = protocol(cfg)
@@ -166,6 +167,25 @@ def _check_budget(b) -> None:
                           f"(a float) or bytes (a positive int); got {b!r}")
 
 
+def _check_match_peak(exp, methods: list[str]) -> None:
+    target = exp.get("match_peak")
+    if target is None:
+        return
+    if "tensile_graph" not in methods:
+        raise ConfigError(f"experiment.match_peak={target!r} plans tensile_graph to that method's "
+                          f"peak: add tensile_graph to experiment.methods (got {methods})")
+    if target not in methods or target == "tensile_graph":
+        others = [m for m in methods if m != "tensile_graph"]
+        raise ConfigError(f"experiment.match_peak must name another method of this job, measured "
+                          f"before tensile_graph (one of {others}); got {target!r}")
+    if exp.budget is not None:
+        raise ConfigError(f"experiment.match_peak={target!r} sets tensile_graph's budget: leave "
+                          f"experiment.budget null (got {exp.budget!r})")
+    if exp.get("max_overhead", 0.0):
+        raise ConfigError(f"experiment.max_overhead={exp.max_overhead!r} has no effect under a "
+                          f"budget (match_peak={target!r} sets one): leave it 0")
+
+
 def protocol(cfg) -> tuple[int, int, int]:
     """``(warmup, iters, repeats)``: the experiment's (TENSILE: 5, 50, 3); ``timing=quick``
     (smoke) takes the quick group's warm-up and iterations and one repeat instead."""
@@ -204,6 +224,8 @@ def method_label(name: str, exp) -> str:
         return f"compile_budget={exp.activation_memory_budget:g}"
     if name in PLANNED:
         knobs = []
+        if name == "tensile_graph" and exp.get("match_peak"):
+            knobs.append(f"match_peak={exp.match_peak}")
         if exp.get("max_overhead", 0.0):
             knobs.append(f"max_overhead={exp.max_overhead:g}")
         if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
@@ -352,6 +374,55 @@ def _release(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def match_budget(target_mb: float, captured_peak_mb: Callable[[int], tuple[float, bool]],
+                 attempts: int = 4) -> tuple[int, list[dict]]:
+    """The budget (bytes) under which TENSILE's captured step peaks at most ``target_mb``.
+
+    The planner counts tensor bytes; a captured step also holds the allocator's rounding and
+    library workspaces, so the same budget peaks 10-70 MB higher on an H200. Starting from
+    the target, each try that peaks above it lowers the budget by the excess plus 0.5 % of the
+    target. ``captured_peak_mb(budget)`` plans and captures under ``budget`` and returns
+    (peak MB, plan feasible). Stops at the first try within the target, at an infeasible plan
+    (a lower budget cannot help), or after ``attempts``; returns the last budget and every
+    try (``budget_mb``, ``peak_mb``, ``feasible``): the caller checks the measured peak.
+    """
+    budget, tries = int(target_mb * MB), []
+    for _ in range(attempts):
+        peak_mb, feasible = captured_peak_mb(budget)
+        tries.append({"budget_mb": round(budget / MB, 1), "peak_mb": round(peak_mb, 1),
+                      "feasible": bool(feasible)})
+        lower = budget - int((peak_mb - target_mb + 0.005 * target_mb) * MB)
+        if peak_mb <= target_mb or not feasible or lower <= 0 or len(tries) == attempts:
+            break
+        budget = lower
+    return budget, tries
+
+
+def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],
+                       batch: tuple, exp, device: str, opts: dict) -> dict:
+    """tensile_graph's budget at the peak ``target`` measured earlier in this job
+    (``experiment.match_peak``), found by planning and capturing (:func:`match_budget`),
+    with what the row keeps of the search."""
+    if target not in peaks:
+        raise ValueError(f"match_peak={target!r}: {target} has no measured peak in this job "
+                         f"(it failed or did not run): nothing to plan tensile_graph to")
+    target_mb = peaks[target]
+
+    def captured_peak_mb(budget: int) -> tuple[float, bool]:
+        _release(device)
+        resident_mb = torch.cuda.memory_allocated() / MB
+        model = build()
+        opt = _optimizer(model, exp, capturable=True)
+        stats = make_method("tensile_graph", model, opt, classification_loss, batch,
+                            **{**opts, "budget": budget}).stats()
+        return stats["graph_peak_mb"] - resident_mb, stats.get("plan_feasible", True)
+
+    budget, tries = match_budget(target_mb, captured_peak_mb)
+    _release(device)   # the last try's graph and model: not in the measured method's memory
+    return {"budget": budget, "match_peak": target, "match_target_mb": target_mb,
+            "match_tries": tries}
 
 
 def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
@@ -532,13 +603,14 @@ def _error_fields(exc: BaseException, fraction: float | None) -> dict:
     return {"status": "error", "reason": (text[0] if text else type(exc).__name__)[:300]}
 
 
-def method_order(todo: list[str], capuchin_after_tensile: bool) -> list[str]:
+def method_order(todo: list[str], capuchin_after_tensile: bool,
+                 match_peak: str | None = None) -> list[str]:
     """The order a job measures its methods in: ``todo`` plus what they need measured first.
 
     Vanilla first (the reference of every row); tensile right before capuchin when capuchin
-    takes TENSILE's planned peak as its budget (``capuchin_after_tensile``); graph right
-    before the first of tensile_graph and checkpoint_graph (their reference, the captured
-    vanilla step).
+    takes TENSILE's planned peak as its budget (``capuchin_after_tensile``); the method whose
+    peak tensile_graph plans to (``match_peak``) before tensile_graph; graph right before the
+    first of tensile_graph and checkpoint_graph (their reference, the captured vanilla step).
     """
     order = ["vanilla"] + [m for m in todo if m != "vanilla"]
     if "capuchin" in order and capuchin_after_tensile:
@@ -546,6 +618,10 @@ def method_order(todo: list[str], capuchin_after_tensile: bool) -> list[str]:
         if "tensile" not in order:
             order.append("tensile")
         order.insert(order.index("tensile") + 1, "capuchin")
+    if match_peak and "tensile_graph" in order and match_peak != "vanilla":
+        if match_peak in order:
+            order.remove(match_peak)
+        order.insert(order.index("tensile_graph"), match_peak)
     captured = [m for m in order if m in AGAINST_GRAPH]
     if captured:
         if "graph" in order:
@@ -576,8 +652,12 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         return []
     if set(todo) & set(AGAINST_GRAPH) and "graph" not in todo:
         todo.append("graph")   # measured anyway as their reference: keep its row
+    match_peak = exp.get("match_peak") if "tensile_graph" in todo else None
+    if match_peak and match_peak not in todo:
+        todo.append(match_peak)   # its peak is tensile_graph's target: measured again, kept
     fraction = _memory_fraction(exp, device)
-    order = method_order(todo, capuchin_after_tensile=exp.budget is None and fraction is None)
+    order = method_order(todo, capuchin_after_tensile=exp.budget is None and fraction is None,
+                         match_peak=match_peak)
 
     classes = exp.num_classes or cfg.model.num_classes
     x = models.example_input(cfg.model.name, cfg.batch_size, device,
@@ -595,11 +675,16 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     if device == "cuda" and set(order) & set(GRAPHED):
         warm_capture_streams(device)
     graph_row: dict | None = None   # the captured vanilla step: AGAINST_GRAPH's reference
+    peaks: dict[str, float] = {}    # measured peaks of this job's ok methods (match_peak's target)
     for name in order:
         _release(device)
         opts: dict = {}
+        matched: dict = {}
         try:
             opts = _method_opts(name, exp, device, fraction, tensile_peak, rates)
+            if name == "tensile_graph" and match_peak:
+                matched = _match_peak_budget(match_peak, peaks, build, batch, exp, device, opts)
+                opts["budget"] = matched["budget"]
             trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
                      if cfg.get("trace") else None)
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
@@ -613,6 +698,12 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
                 torch.cuda.set_per_process_memory_fraction(1.0)
         _release(device)  # after the except block: the traceback held the method's tensors
         extra = fields.setdefault("extra", {})
+        if matched:
+            extra.update({k: v for k, v in matched.items() if k != "budget"})
+            if fields["status"] == "ok":   # the measured peak, not the calibration's, decides
+                extra["match_met"] = fields["peak_mem_mb"] <= matched["match_target_mb"]
+        if fields["status"] == "ok" and fields.get("peak_mem_mb") is not None:
+            peaks[name] = fields["peak_mem_mb"]
         extra.update(memory_fraction=fraction,
                      **{k: v for k, v in opts.items() if k in ("budget", "layers_per_block")})
         if name in RATED and rates:   # what the planner believed about the machine

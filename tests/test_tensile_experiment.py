@@ -239,6 +239,16 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
      r"stream_resident must be a number of groups from 0 to stream_optimizer, or 'auto', got 'some'"),
     (["experiment.stream_optimizer=4", "experiment.stream_overhead=1.5"],
      r"stream_overhead must be a fraction of the step in \[0, 1\), got 1.5"),
+    (["experiment.match_peak=checkpoint"],
+     r"match_peak='checkpoint' plans tensile_graph to that method's peak: add tensile_graph"),
+    (["experiment.match_peak=tensile_graph", "experiment.methods=[vanilla,tensile_graph]"],
+     r"match_peak must name another method of this job, .* \(one of \['vanilla'\]\); got 'tensile_graph'"),
+    (["experiment.match_peak=sac", "experiment.methods=[vanilla,checkpoint,tensile_graph]"],
+     r"one of \['vanilla', 'checkpoint'\]\); got 'sac'"),
+    (["experiment.match_peak=checkpoint", "experiment.methods=[vanilla,checkpoint,tensile_graph]",
+      "experiment.budget=0.5"], r"leave experiment.budget null \(got 0.5\)"),
+    (["experiment.match_peak=checkpoint", "experiment.methods=[vanilla,checkpoint,tensile_graph]",
+      "experiment.max_overhead=0.1"], r"max_overhead=0.1 has no effect under a budget"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -312,6 +322,32 @@ def test_methods_run_after_what_they_are_measured_against():
     assert order(["tensile_graph"], True) == ["vanilla", "graph", "tensile_graph"]
     assert order(["checkpoint_graph", "tensile_graph"], True) == [
         "vanilla", "graph", "checkpoint_graph", "tensile_graph"]
+    # the method whose peak tensile_graph plans to goes before it, wherever it was listed
+    assert order(["tensile_graph", "checkpoint_graph"], True, match_peak="checkpoint_graph") == [
+        "vanilla", "graph", "checkpoint_graph", "tensile_graph"]
+    assert order(["tensile_graph", "sac"], True, match_peak="sac") == [
+        "vanilla", "sac", "graph", "tensile_graph"]
+    assert order(["tensile_graph"], True, match_peak="vanilla") == ["vanilla", "graph", "tensile_graph"]
+
+
+def test_match_budget_lowers_the_budget_by_the_overshoot_until_the_peak_fits():
+    # a captured step that peaks 50 MB above its budget; no plan goes below 300 MB
+    calls = []
+
+    def captured(budget):
+        calls.append(budget)
+        return max(budget / MB, 300) + 50, budget >= 300 * MB
+
+    budget, tries = tensile_run.match_budget(1000.0, captured)
+    assert budget == calls[-1] and budget / MB + 50 <= 1000.0
+    # first try at the target, the second lowered by the 50 MB excess plus 0.5 % of it: fits
+    assert [t["budget_mb"] for t in tries] == [1000.0, 945.0] and tries[-1]["peak_mb"] == 995.0
+    # a target the plan cannot reach stops at the infeasible try, not after every attempt
+    budget, tries = tensile_run.match_budget(320.0, captured)
+    assert not tries[-1]["feasible"] and len(tries) == 2 and tries[-1]["peak_mb"] == 350.0
+    # an overshoot that keeps growing stops after the attempts, with every try kept
+    budget, tries = tensile_run.match_budget(1000.0, lambda b: (1100.0, True), attempts=3)
+    assert len(tries) == 3 and budget == tries[-1]["budget_mb"] * MB
 
 
 def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
@@ -328,6 +364,10 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run.method_label("tensile_graph", exp) == "tensile_graph"
     mo = _compose(["experiment=tensile", "experiment.max_overhead=0.05"]).experiment
     assert tensile_run.method_label("tensile_graph", mo) == "tensile_graph(max_overhead=0.05)"
+    mp = _compose(["experiment=tensile", "experiment.match_peak=checkpoint_graph"]).experiment
+    assert tensile_run.method_label("tensile_graph", mp) == "tensile_graph(match_peak=checkpoint_graph)"
+    assert tensile_run.method_label("tensile", mp) == "tensile"   # captured only
+    assert tensile_run.setting(mp) == "whole-step"   # beside the other whole-step rows
     assert tensile_run.method_label("graph", mo) == "graph"
     lat = _compose(["experiment=tensile", "experiment.max_overhead=0.08",
                     "experiment.copy_latency_ms=0.05"]).experiment
@@ -463,3 +503,24 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
     capped = [r for r in read_rows(tmp_path / gpu / "tensile.csv") if "memfrac" in r["mode"]]
     assert capped[0]["status"] == "error"
     assert capped[0]["reason"].startswith("out of memory at memory_fraction=1e-06")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tensile_graph_plans_to_a_built_ins_measured_peak(small, tmp_path):
+    from experiments.env import gpu_slug
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,tensile_graph,checkpoint_graph]",
+               "experiment.match_peak=checkpoint_graph", "experiment.image_size=64", device="cuda")
+    run.run_config(cfg)
+    rows = _rows(tmp_path, gpu_slug())
+    ck, ours = rows["checkpoint_graph"], rows["tensile_graph(match_peak=checkpoint_graph)"]
+    assert ck["status"] == "ok" and ours["status"] == "ok", (ck["reason"], ours["reason"])
+    e = ours["extra"]
+    assert e["match_peak"] == "checkpoint_graph"
+    assert e["match_target_mb"] == pytest.approx(float(ck["peak_mem_mb"]))
+    assert 1 <= len(e["match_tries"]) <= 4   # the measured row ran under the last try's budget
+    assert e["budget"] == pytest.approx(e["match_tries"][-1]["budget_mb"] * MB, abs=0.1 * MB)
+    # met means measured at or under the target; otherwise the search says why it stopped
+    met = float(ours["peak_mem_mb"]) <= e["match_target_mb"]
+    assert e["match_met"] is met
+    assert met or not e["match_tries"][-1]["feasible"] or len(e["match_tries"]) == 4
