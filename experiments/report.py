@@ -108,13 +108,15 @@ def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def load_rows(gpu_dir: str | Path, every_run: bool = False) -> pd.DataFrame:
+def load_rows(gpu_dir: str | Path, every_run: bool = False, every_row: bool = False) -> pd.DataFrame:
     """All rows of one GPU folder, typed, one per measurement key, with a ``smoke`` column.
 
     When a key was measured more than once (``redo=true``, or another session's run), a
     full-protocol row wins over a smoke row and, among equals, the last appended wins; with
     ``every_run`` each run's row of the key is kept (the claims' spread over runs, see
-    :func:`claim_verdicts`). Files that are not result CSVs are
+    :func:`claim_verdicts`), with ``every_row`` every row, in the order measured (several
+    jobs of one process may measure a key each: :func:`tensile_equal_peak_table`). Files
+    that are not result CSVs are
     skipped. Every row gets ``<baseline>_same_run_ms``: the baseline measured in the same process
     (``extra.run_id``; rows written before run ids: the same commit), so ratios use it even when
     a later run replaced the baseline's row.
@@ -142,7 +144,9 @@ def load_rows(gpu_dir: str | Path, every_run: bool = False) -> pd.DataFrame:
     df["_order"] = np.arange(len(df))
     df = _same_run_baselines(df)
     df = df.sort_values(["smoke", "_order"], ascending=[False, True])
-    df = df.drop_duplicates(subset=list(KEY_COLUMNS) + (["run_id"] if every_run else []), keep="last")
+    if not every_row:
+        df = df.drop_duplicates(subset=list(KEY_COLUMNS) + (["run_id"] if every_run else []),
+                                keep="last")
     return df.sort_values("_order").drop(columns="_order").reset_index(drop=True)
 
 
@@ -622,6 +626,51 @@ def _at_builtin_peaks(mine: pd.DataFrame) -> str:
         parts.append(f"{kind} {ratio:.2f}x ({name})" if ratio else
                      f"{kind}: none reaches {name}'s peak")
     return "; ".join(parts)
+
+
+EQUAL_PEAK_TARGET = 1.2   # issue 6: TENSILE's throughput over the best built-in at equal peak
+
+
+def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """TENSILE planned to a built-in's measured peak in the same job (``experiment.match_peak``):
+    per such row, the built-in row whose peak it matched (same process, model, batch and
+    setting, the latest measured before it with that peak) and the captured vanilla step
+    (``graph``) before it. ``speedup`` = built-in time / TENSILE time (mean steps);
+    ``ceiling`` = built-in time / graph time, the most any plan reaches (a plan adds work to
+    the unplanned step, never removes it). ``rows``: :func:`load_rows` with ``every_row``."""
+    ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]]
+    same = ["run_id", "model", "batch_size", "mode"]
+    lines = []
+    for i, r in ok.iterrows():
+        extra = json.loads(r["extra"]) if r["extra"] else {}
+        target = extra.get("match_peak")
+        if not target:
+            continue
+        job = ok.loc[:i - 1]
+        job = job[(job[same] == r[same]).all(axis=1)]
+        builtin = job[(job["backend"] == target) & (job["peak_mem_mb"] == extra["match_target_mb"])]
+        graph = job[job["backend"] == "graph"]
+        if not len(builtin):
+            continue
+        b = builtin.iloc[-1]
+        line = {"model": r["model"], "batch": int(r["batch_size"]), "TENSILE": r["backend"],
+                "built-in": target, "built-in ms": round(b["mean_ms"], 3),
+                "built-in MiB": b["peak_mem_mb"], "TENSILE ms": round(r["mean_ms"], 3),
+                "TENSILE MiB": r["peak_mem_mb"], "peak met": bool(extra.get("match_met")),
+                "tries": len(extra.get("match_tries", [])),
+                "speedup": round(b["mean_ms"] / r["mean_ms"], 3),
+                "graph ms": round(graph.iloc[-1]["mean_ms"], 3) if len(graph) else None,
+                "ceiling": round(b["mean_ms"] / graph.iloc[-1]["mean_ms"], 3) if len(graph) else None,
+                "commit": str(r["commit"])[:7]}
+        met = line["peak met"] and line["speedup"] >= EQUAL_PEAK_TARGET
+        line["verdict"] = ("met" if met else
+                           f"not met (ceiling below {EQUAL_PEAK_TARGET}x)"
+                           if line["ceiling"] is not None and line["ceiling"] < EQUAL_PEAK_TARGET
+                           else "not met")
+        lines.append(line)
+    cols = ["model", "batch", "TENSILE", "built-in", "built-in ms", "built-in MiB", "TENSILE ms",
+            "TENSILE MiB", "peak met", "tries", "speedup", "graph ms", "ceiling", "verdict", "commit"]
+    return pd.DataFrame(lines, columns=cols)
 
 
 def tensile_cpu_plans(plans: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -1134,6 +1183,14 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "(captured or eager) with a peak no higher, over that built-in; per kind the "
                    "built-in TENSILE beats by the least.", "",
                    md_table(tensile_verdicts(metrics, paper_tensile)), ""]
+        equal = tensile_equal_peak_table(load_rows(gpu_dir, every_row=True))
+        if len(equal):
+            md += ["### TENSILE at a built-in's memory, same job", "",
+                   "`+sweep=tensile_equal_peak`: `tensile_graph` planned to the peak the built-in "
+                   "measured earlier in the same process (`experiment.match_peak`; re-planned and "
+                   "captured until its peak is no higher, `tries`). speedup = built-in ms / TENSILE "
+                   f"ms (mean steps; target {EQUAL_PEAK_TARGET}x); ceiling = built-in ms / captured "
+                   "vanilla (`graph`) ms, the most any plan can reach.", "", md_table(equal), ""]
         plans = _read_csv(results_dir / "analysis" / "tensile_plans.csv")
         figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile, plans)
         if plans is not None and (plans["status"] == "ok").any():

@@ -304,6 +304,37 @@ def test_tensile_against_each_builtin_at_its_own_peak(tmp_path):
     assert v.loc[0, "at a built-in's peak"] == "captured 1.19x (checkpoint_graph); eager 0.92x (sac)"
 
 
+def test_equal_peak_table_pairs_each_match_with_its_own_jobs_built_in(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    label = "tensile_graph(match_peak=checkpoint_graph)"
+    # two jobs of one process: each measures graph and checkpoint_graph again
+    for graph_ms, ck_ms, ck_mb, ours_ms, ours_mb, met in ((10.0, 13.0, 950.0, 12.0, 940.0, True),
+                                                          (10.5, 12.6, 952.0, 10.0, 960.0, False)):
+        _tensile_row(store, "vanilla", 20.0, 1700.0, 0.0, 0.0, run_id="p1")
+        _tensile_row(store, "graph", graph_ms, 1700.0, 0.0, -0.5, run_id="p1")
+        _tensile_row(store, "checkpoint_graph", ck_ms, ck_mb, 0.44, -0.35, run_id="p1")
+        _tensile_row(store, label, ours_ms, ours_mb, 0.45, -0.4, run_id="p1", match_peak="checkpoint_graph",
+                     match_target_mb=ck_mb, match_met=met, match_tries=[{"budget_mb": ck_mb}] * 2)
+    _tensile_row(store, "tensile_graph(max_overhead=0.1)", 11.0, 900.0, 0.47, -0.45, run_id="p1")
+    t = report.tensile_equal_peak_table(report.load_rows(tmp_path / "h200", every_row=True))
+    assert len(t) == 2   # one line per matched row; other TENSILE rows are not in it
+    first, second = t.iloc[0], t.iloc[1]
+    assert (first["built-in ms"], first["built-in MiB"], first["graph ms"]) == (13.0, 950.0, 10.0)
+    assert first["speedup"] == pytest.approx(13.0 / 12.0, abs=1e-3) and first["ceiling"] == 1.3
+    assert first["verdict"] == "not met" and first["tries"] == 2
+    # the second job's own built-in (952 MiB) and graph: its speedup clears 1.2x, but the
+    # measured peak went over the target, so the target is not met
+    assert (second["built-in ms"], second["graph ms"]) == (12.6, 10.5)
+    assert second["speedup"] == 1.26 and not second["peak met"] and second["verdict"] == "not met"
+    # a ceiling under the target says so
+    _tensile_row(store, "graph", 12.0, 1700.0, 0.0, -0.5, run_id="p2")
+    _tensile_row(store, "checkpoint_graph", 13.0, 950.0, 0.44, -0.35, run_id="p2")
+    _tensile_row(store, label, 12.5, 940.0, 0.45, -0.4, run_id="p2", match_peak="checkpoint_graph",
+                 match_target_mb=950.0, match_met=True)
+    t = report.tensile_equal_peak_table(report.load_rows(tmp_path / "h200", every_row=True))
+    assert t.iloc[-1]["verdict"] == "not met (ceiling below 1.2x)"
+
+
 def test_tensile_plan_check_sets_each_plans_assumptions_beside_the_measurement(tmp_path):
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
     _tensile_row(store, "vanilla", 23.5, 1740.0, 0.0, 0.0)

@@ -459,8 +459,14 @@ def test_presets_cover_the_papers_workloads():
     assert str(cost.hydra.sweeper.params["experiment.stream_resident"]) == "0,4"
     budget = _compose(["+sweep=tensile_budget"], hydra_cfg=True)
     assert str(budget.hydra.sweeper.params["experiment.memory_gb"]) == "16"
-    assert str(budget.hydra.sweeper.params.batch_size) == "256" and budget.experiment.cap_setup is False
-    for cfg in (single, batch, budget, captured, streamed, cost):
+    assert str(budget.hydra.sweeper.params.batch_size) == "256" and budget.experiment.cap_setup is True
+    assert list(budget.experiment.record_batches) == [2, 4, 8]   # the cap holds while it records
+    equal = _compose(["+sweep=tensile_equal_peak"], hydra_cfg=True)
+    assert equal.experiment.match_peak == "checkpoint_graph"
+    assert list(equal.experiment.methods) == ["vanilla", "graph", "checkpoint_graph", "tensile_graph"]
+    # the paper models without dropout (checkpoint_graph refuses VGG-16's and Inception-v3's)
+    assert str(equal.hydra.sweeper.params.model).split(",") == ["inception_v4", "resnet50", "densenet121"]
+    for cfg in (single, batch, budget, captured, streamed, cost, equal):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
 
