@@ -41,8 +41,10 @@ Mechanism (reference §9, §11):
 * recomputation reruns the producing op from the inputs it read, kept by reference
   (the planner checked they stay resident and unmodified), then the in-place ops that
   updated the tensor in forward (``ReLU(inplace=True)``, a residual ``add_``: noted
-  when they run, the tensor itself kept as a placeholder). A batch norm reruns on
-  copies of its running statistics (it updated the real ones once already). An input
+  when they run, the tensor itself kept as a placeholder). A training-mode batch norm's
+  output is rebuilt from the batch mean and inverse std the op returned, with no
+  statistics pass (:func:`_batch_norm_apply`); another batch norm reruns on copies of its
+  running statistics (it updated the real ones once already). An input
   that is itself a managed activation is kept as a reference to its entry, not to its
   memory, and brought back first (recomputed or copied in) when the recompute runs, or,
   where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
@@ -800,9 +802,35 @@ class PlanRunner:
         for sid in self.sched.grab_at_op[k]:
             pos = self.rec.out_sids[k].index(sid)
             rec = self.recomputes.get(sid)
-            recipe = (None if rec is None else
-                      (func, *self._recipe_args(k, args, kwargs, None, set(rec.scratch)), pos))
+            recipe = None
+            if rec is not None:
+                recipe = self._batch_norm_recipe(k, func, args, kwargs, out, outs) if pos == 0 else None
+                if recipe is None:
+                    recipe = (func, *self._recipe_args(k, args, kwargs, None, set(rec.scratch)), pos)
             self._bind(sid, outs[pos], recipe)
+
+    def _batch_norm_recipe(self, k: int, func, args, kwargs, out, outs: list[torch.Tensor]):
+        """The recipe of a training-mode batch norm's output from the batch statistics the op
+        returned (:func:`_batch_norm_apply`), or None where the op is not one, runs in eval
+        mode, lays its output out unlike its input, or its statistics are themselves planned
+        (the recipe holds them by reference)."""
+        spec = _BN_TRAINING.get(func.overloadpacket.__name__)
+        if self.device.type not in BN_FROM_STATS_ON or spec is None or kwargs or not isinstance(out, (tuple, list)) or len(out) < 3:
+            return None
+        flag, eps_at = spec
+        if (flag is not None and not args[flag]) or len(args) <= eps_at:
+            return None
+        x, y, mean, invstd = args[0], out[0], out[1], out[2]
+        dense = x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+        if not dense or y.shape != x.shape or y.stride() != x.stride() or mean.dim() != 1:
+            return None
+        for stat in (mean, invstd):
+            at = [i for i, t in enumerate(outs) if t is stat]
+            if not at or self.rec.out_sids[k][at[0]] in self.swaps or \
+                    self.rec.out_sids[k][at[0]] in self.recomputes:
+                return None
+        kept, _ = self._recipe_args(k, args, kwargs, None, set())   # input, weight, bias as kept
+        return (_batch_norm_apply, (kept[0], kept[1], kept[2], mean, invstd, float(args[eps_at])), {}, 0)
 
     def _note_updates(self, k: int, func, args, kwargs) -> None:
         """Op ``k`` updated recomputed tensors in place: keep it to replay after their producer."""
@@ -1157,6 +1185,36 @@ class PlanRunner:
             v = self.optimizer.state.get(self._opt_params[key[0]], {}).get(key[1])
             return v if isinstance(v, torch.Tensor) else None
         return None
+
+
+# Where a training-mode batch norm is rebuilt from its batch statistics. Not on the CPU: there
+# the op's own rerun costs about as much, and it reproduces the step bit for bit.
+BN_FROM_STATS_ON = ("cuda",)
+# Training-mode batch norms: op name -> (position of the ``training`` argument, None where
+# the op always trains; position of ``eps``). Outputs 0-2 of each: the normalised input, the
+# batch mean and its inverse standard deviation (cudnn's "save_var" is that too).
+_BN_TRAINING = {"native_batch_norm": (5, 7), "cudnn_batch_norm": (5, 7),
+                "_native_batch_norm_legit": (5, 7), "_batch_norm_with_update": (None, 6)}
+
+
+def _batch_norm_apply(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                      mean: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """A training-mode batch norm's output rebuilt from the batch statistics its forward
+    returned (which its backward keeps anyway): ``(x - mean) * invstd * weight + bias``.
+
+    Why: rerunning the op itself makes a statistics pass over ``x`` again, and updates the
+    running statistics (so on scratch copies); this is the op's second half alone, one
+    elementwise kernel on CUDA (``batch_norm_elemt``, what SyncBatchNorm applies with). The
+    result matches the op's output to rounding, not bit for bit (cuDNN's kernel may order
+    the arithmetic differently): plans with recomputation match vanilla within tolerance.
+    """
+    out = torch.empty_like(x)
+    if x.is_cuda:
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps, out=out)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    scale = invstd if weight is None else invstd * weight
+    torch.mul(x - mean.view(shape), scale.view(shape), out=out)
+    return out if bias is None else out.add_(bias.view(shape))
 
 
 def _meta_of(t: torch.Tensor) -> _Meta:

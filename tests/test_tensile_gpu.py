@@ -399,10 +399,29 @@ def test_captured_concatenations_rebuilt_from_kept_inputs_save_what_the_plan_say
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
-def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
-    """Recomputes that rerun in-place updates (BN + ReLU(inplace), add_), batch norm on
-    scratch running statistics, and inputs rebuilt first (kept, or for one recompute),
+@pytest.mark.parametrize("op", ["cudnn_batch_norm", "native_batch_norm"])
+def test_batch_norm_rebuilt_from_its_statistics_is_the_ops_output_on_cuda(op):
+    """The runtime rebuilds a training-mode batch norm from the mean and inverse std the op
+    returned (cuDNN's ``save_var`` is the inverse std too)."""
+    from tensile.runtime import _batch_norm_apply
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 12, 12, device="cuda") * 3 + 1
+    w, b = torch.rand(16, device="cuda") + 0.5, torch.randn(16, device="cuda")
+    out = getattr(torch.ops.aten, op)(x, w, b, torch.zeros(16, device="cuda"),
+                                      torch.ones(16, device="cuda"), True, 0.1, 1e-5)
+    got = _batch_norm_apply(x, w, b, out[1], out[2], 1e-5)
+    assert got.stride() == out[0].stride()
+    torch.testing.assert_close(got, out[0], rtol=1e-5, atol=1e-5)
+
+
+def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured(monkeypatch):
+    """Recomputes that rerun in-place updates (BN + ReLU(inplace), add_), batch norm rebuilt
+    from its batch statistics, and inputs rebuilt first (kept, or for one recompute),
     on CUDA: the scheduled step, eager and captured, trains as eager does."""
+    from tensile import runtime
+    applied = []
+    real = runtime._batch_norm_apply
+    monkeypatch.setattr(runtime, "_batch_norm_apply", lambda *a: applied.append(1) or real(*a))
     data = batches(8)
     m0, o0 = _eager(data, 32, make_cuda_resnet)
     kwargs = dict(budget=1, d2h_bw=1e3, h2d_bw=1e3, replan=False, allow_cross_iteration=False)
@@ -417,6 +436,7 @@ def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
     print(p.summary(), f"{sum(bool(set(r.sources) & rebuilt) for r in p.recomputes)} recomputes "
           f"rebuild an input first, {sum(bool(r.transient) for r in p.recomputes)} for one alone")
     assert sched.report().ineffective_releases == 0
+    assert applied, "no batch norm rebuilt from its statistics"
     for a, b in zip(states(m0, o0), states(model, opt)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     m1, o1, _, _ = _captured_tensile(data, 32, make_cuda_resnet, **kwargs)

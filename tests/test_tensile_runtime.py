@@ -521,6 +521,49 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
         assert torch.equal(a, b)
 
 
+def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(monkeypatch):
+    """Where the runtime rebuilds a training-mode batch norm from the mean and inverse std the
+    op returned (CUDA by default; here the CPU too), the plan's recomputes all run that way
+    and training matches vanilla to rounding."""
+    from tensile import runtime
+    monkeypatch.setattr(runtime, "BN_FROM_STATS_ON", ("cpu", "cuda"))
+    applied = []
+    real = runtime._batch_norm_apply
+
+    def counting(*args):
+        applied.append(args[0].shape)
+        return real(*args)
+    monkeypatch.setattr(runtime, "_batch_norm_apply", counting)
+    steps = 5
+    # statistics too small to plan (as on a GPU, where nothing under 64 KiB moves): a plan
+    # that moved them would rerun the op instead (the recipe holds them by reference)
+    states, sched = _vanilla_and_scheduled(make_resnet, steps, budget=1, min_swap_bytes=1024)
+    bn = [r for r in sched.plan.recomputes if r.scratch]   # the batch norms the plan rebuilds
+    # each runs once for good, and again for every recompute that rebuilds it for itself alone
+    bn_sids = {r.sid for r in bn}
+    again = sum(len(set(r.transient) & bn_sids) for r in sched.plan.recomputes)
+    assert bn and len(applied) == steps * (len(bn) + again)
+    assert sched.report().recomputes == steps * len(sched.plan.recomputes)
+    for a, b in zip(*states):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batch_norm_apply_is_the_ops_output(affine, channels_last):
+    from tensile.runtime import _batch_norm_apply
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 5, 5)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = (torch.rand(6) + 0.5, torch.randn(6)) if affine else (None, None)
+    y, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, torch.zeros(6), torch.ones(6),
+                                                       True, 0.1, 1e-5)
+    got = _batch_norm_apply(x, w, b, mean, invstd, 1e-5)
+    assert got.stride() == y.stride()   # the runtime views the bytes with the op's strides
+    torch.testing.assert_close(got, y, rtol=1e-5, atol=1e-5)
+
+
 def test_concatenations_rebuilt_from_kept_inputs_train_bit_identically():
     """A plan that drops DenseNet-like concatenations and keeps the tensors they joined
     (``Recompute.kept``): the runtime's recipes hold those inputs until the rebuild."""
