@@ -127,7 +127,7 @@ def test_late_swap_in_is_passive_on_gpu():
         assert torch.equal(a, b)
 
 
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_recompute_plan_within_tolerance_on_gpu():
     data = batches(8)
     m0, o0, _, _ = run(8, data)
@@ -279,7 +279,7 @@ def test_op_times_of_a_streamed_step_add_up_to_its_replay():
     assert 0.7 * replay <= sum(op_ms) <= 1.3 * replay
 
 
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step():
     """A block released after its copy-out serves later allocations of the same capture,
     so the graph's peak falls with the plan (record_stream would defer every such block
@@ -381,7 +381,7 @@ def make_cuda_densenet(width: int = 32) -> nn.Module:
     return make_densenet(width, device="cuda", layers=6)
 
 
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_captured_concatenations_rebuilt_from_kept_inputs_save_what_the_plan_says():
     """DenseNet's concatenations dropped and rebuilt from the tensors they joined, which
     the plan keeps (``Recompute.kept``; the runtime's recipes hold them): captured, the
@@ -403,7 +403,7 @@ def test_captured_concatenations_rebuilt_from_kept_inputs_save_what_the_plan_say
 
 
 @pytest.mark.parametrize("op", ["cudnn_batch_norm", "native_batch_norm"])
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_batch_norm_rebuilt_from_its_statistics_is_the_ops_output_on_cuda(op):
     """The runtime rebuilds a training-mode batch norm from the mean and inverse std the op
     returned (cuDNN's ``save_var`` is the inverse std too)."""
@@ -418,7 +418,7 @@ def test_batch_norm_rebuilt_from_its_statistics_is_the_ops_output_on_cuda(op):
     torch.testing.assert_close(got, out[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured(monkeypatch):
     """Recomputes that rerun in-place updates (BN + ReLU(inplace), add_), batch norm rebuilt
     from its batch statistics, and inputs rebuilt first (kept, or for one recompute),
@@ -475,7 +475,7 @@ def test_captures_leave_no_cublas_workspace_behind():
     assert allocated_after(capture_one) <= first + 2**20
 
 
-@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute\'s 1-ulp difference up to 1e-3
+@pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_captured_checkpointing_trains_like_eager_checkpointing_in_less_memory_than_the_graph():
     """``checkpoint_graph`` (the like-for-like built-in for ``tensile_graph``): the blocks'
     recomputation inside one CUDA graph trains as eager checkpointing does, and the capture
