@@ -123,8 +123,9 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
-    if not isinstance(exp.get("allow_swaps", True), bool):
-        raise ConfigError(f"experiment.allow_swaps must be true or false, got {exp.allow_swaps!r}")
+    for flag in ("allow_swaps", "batch_norm_from_stats"):
+        if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
+            raise ConfigError(f"experiment.{flag} must be true or false, got {exp.get(flag)!r}")
     rb = exp.get("record_batches")
     if rb is not None:
         if not isinstance(rb, (list, tuple, ListConfig)) or \
@@ -232,6 +233,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"copy_latency_ms={exp.copy_latency_ms:g}")
         if not exp.get("allow_swaps", True):
             knobs.append("allow_swaps=false")
+        if exp.get("batch_norm_from_stats", False):
+            knobs.append("bn_from_stats")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
@@ -572,6 +575,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["copy_latency_ms"] = float(exp.get("copy_latency_ms", COPY_LATENCY_MS))
             if not exp.get("allow_swaps", True):
                 opts["allow_swaps"] = False
+            if exp.get("batch_norm_from_stats", False):
+                opts["batch_norm_from_stats"] = True
         return opts
     return {}
 

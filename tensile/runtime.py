@@ -41,10 +41,11 @@ Mechanism (reference §9, §11):
 * recomputation reruns the producing op from the inputs it read, kept by reference
   (the planner checked they stay resident and unmodified), then the in-place ops that
   updated the tensor in forward (``ReLU(inplace=True)``, a residual ``add_``: noted
-  when they run, the tensor itself kept as a placeholder). A training-mode batch norm's
-  output is rebuilt from the batch mean and inverse std the op returned, with no
-  statistics pass (:func:`_batch_norm_apply`); another batch norm reruns on copies of its
-  running statistics (it updated the real ones once already). An input
+  when they run, the tensor itself kept as a placeholder). A batch norm reruns on
+  copies of its running statistics (it updated the real ones once already), or, with
+  ``batch_norm_from_stats``, a training-mode one's output is rebuilt from the batch mean
+  and inverse std the op returned, with no statistics pass (:func:`_batch_norm_apply`:
+  faster, equal to rounding, not bit for bit). An input
   that is itself a managed activation is kept as a reference to its entry, not to its
   memory, and brought back first (recomputed or copied in) when the recompute runs, or,
   where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
@@ -364,8 +365,11 @@ class PlanRunner:
     """Runs training steps of one recorded model under a plan (see the module docstring)."""
 
     def __init__(self, recording: Recording, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 loss_fn: Callable | None, plan: Plan, *, simulate: bool) -> None:
+                 loss_fn: Callable | None, plan: Plan, *, simulate: bool,
+                 batch_norm_from_stats: bool = False) -> None:
         self.rec = recording
+        # rebuild training-mode batch norms from their batch statistics (_batch_norm_apply)
+        self.batch_norm_from_stats = batch_norm_from_stats
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.simulate = simulate
         self.device = next(model.parameters()).device
@@ -815,7 +819,7 @@ class PlanRunner:
         mode, lays its output out unlike its input, or its statistics are themselves planned
         (the recipe holds them by reference)."""
         spec = _BN_TRAINING.get(func.overloadpacket.__name__)
-        if self.device.type not in BN_FROM_STATS_ON or spec is None or kwargs or not isinstance(out, (tuple, list)) or len(out) < 3:
+        if not self.batch_norm_from_stats or spec is None or kwargs or not isinstance(out, (tuple, list)) or len(out) < 3:
             return None
         flag, eps_at = spec
         if (flag is not None and not args[flag]) or len(args) <= eps_at:
@@ -1187,9 +1191,6 @@ class PlanRunner:
         return None
 
 
-# Where a training-mode batch norm is rebuilt from its batch statistics. Not on the CPU: there
-# the op's own rerun costs about as much, and it reproduces the step bit for bit.
-BN_FROM_STATS_ON = ("cuda",)
 # Training-mode batch norms: op name -> (position of the ``training`` argument, None where
 # the op always trains; position of ``eps``). Outputs 0-2 of each: the normalised input, the
 # batch mean and its inverse standard deviation (cudnn's "save_var" is that too).
@@ -1206,7 +1207,9 @@ def _batch_norm_apply(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.
     running statistics (so on scratch copies); this is the op's second half alone, one
     elementwise kernel on CUDA (``batch_norm_elemt``, what SyncBatchNorm applies with). The
     result matches the op's output to rounding, not bit for bit (cuDNN's kernel may order
-    the arithmetic differently): plans with recomputation match vanilla within tolerance.
+    the arithmetic differently), and a ReLU after it can then pass or stop a gradient
+    where the op's own rerun would not: training matches vanilla within tolerance, no longer
+    bit for bit. Hence opt-in (``Scheduler(..., batch_norm_from_stats=True)``).
     """
     out = torch.empty_like(x)
     if x.is_cuda:

@@ -118,6 +118,22 @@ def test_an_overhead_allowance_is_a_tensile_variant_of_its_own(small, tmp_path):
     assert rows["tensile"]["mode"] == rows["tensile(max_overhead=0.2)"]["mode"] == "whole-step"
 
 
+def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch):
+    from tensile import runtime
+    flags = []
+    real = runtime.PlanRunner.__init__
+
+    def init(self, *args, **kwargs):
+        flags.append(kwargs.get("batch_norm_from_stats"))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(runtime.PlanRunner, "__init__", init)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.max_overhead=0.5",
+                        "experiment.batch_norm_from_stats=true"))
+    row = _rows(tmp_path)["tensile(max_overhead=0.5,bn_from_stats)"]
+    assert row["status"] == "ok", row["reason"]
+    assert flags == [True]   # (what it does: tests/test_tensile_runtime.py)
+
+
 def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "trace=true"))
     for name in ("vanilla", "tensile"):
@@ -231,6 +247,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
     (["experiment.stream_prefetch=0"], r"stream_prefetch must be a number of groups >= 1, got 0"),
     (["experiment.allow_swaps=maybe"], "experiment.allow_swaps must be true or false, got 'maybe'"),
+    (["experiment.batch_norm_from_stats=1"], "experiment.batch_norm_from_stats must be true or false, got 1"),
     (["experiment.methods=[vanilla,streamed_graph]"],
      r"method streamed_graph streams the optimizer: set experiment.stream_optimizer"),
     (["experiment.stream_optimizer=4", "experiment.stream_resident=5"],
@@ -368,6 +385,10 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run.method_label("tensile_graph", mp) == "tensile_graph(match_peak=checkpoint_graph)"
     assert tensile_run.method_label("tensile", mp) == "tensile"   # captured only
     assert tensile_run.setting(mp) == "whole-step"   # beside the other whole-step rows
+    bn = _compose(["experiment=tensile", "experiment.batch_norm_from_stats=true"]).experiment
+    assert tensile_run.method_label("tensile_graph", bn) == "tensile_graph(bn_from_stats)"
+    assert tensile_run._method_opts("tensile", bn, "cpu", None, None, {})["batch_norm_from_stats"]
+    assert "batch_norm_from_stats" not in tensile_run._method_opts("vdnn", bn, "cpu", None, None, {})
     assert tensile_run.method_label("graph", mo) == "graph"
     lat = _compose(["experiment=tensile", "experiment.max_overhead=0.08",
                     "experiment.copy_latency_ms=0.05"]).experiment

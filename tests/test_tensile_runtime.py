@@ -522,11 +522,10 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
 
 
 def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(monkeypatch):
-    """Where the runtime rebuilds a training-mode batch norm from the mean and inverse std the
-    op returned (CUDA by default; here the CPU too), the plan's recomputes all run that way
-    and training matches vanilla to rounding."""
+    """With ``batch_norm_from_stats`` the runtime rebuilds a training-mode batch norm from
+    the mean and inverse std the op returned: the plan's batch-norm recomputes all run that
+    way, and training matches vanilla to rounding."""
     from tensile import runtime
-    monkeypatch.setattr(runtime, "BN_FROM_STATS_ON", ("cpu", "cuda"))
     applied = []
     real = runtime._batch_norm_apply
 
@@ -537,7 +536,8 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     steps = 5
     # statistics too small to plan (as on a GPU, where nothing under 64 KiB moves): a plan
     # that moved them would rerun the op instead (the recipe holds them by reference)
-    states, sched = _vanilla_and_scheduled(make_resnet, steps, budget=1, min_swap_bytes=1024)
+    states, sched = _vanilla_and_scheduled(make_resnet, steps, budget=1, min_swap_bytes=1024,
+                                           batch_norm_from_stats=True)
     bn = [r for r in sched.plan.recomputes if r.scratch]   # the batch norms the plan rebuilds
     # each runs once for good, and again for every recompute that rebuilds it for itself alone
     bn_sids = {r.sid for r in bn}
