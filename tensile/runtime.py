@@ -819,7 +819,8 @@ class PlanRunner:
         mode, lays its output out unlike its input, or its statistics are themselves planned
         (the recipe holds them by reference)."""
         spec = _BN_TRAINING.get(func.overloadpacket.__name__)
-        if not self.batch_norm_from_stats or spec is None or kwargs or not isinstance(out, (tuple, list)) or len(out) < 3:
+        if not self.batch_norm_from_stats or spec is None or kwargs \
+                or not isinstance(out, (tuple, list)) or len(out) < 3:
             return None
         flag, eps_at = spec
         if (flag is not None and not args[flag]) or len(args) <= eps_at:
