@@ -641,12 +641,11 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]]
     same = ["run_id", "model", "batch_size", "mode"]
     lines = []
-    for i, r in ok.iterrows():
-        extra = json.loads(r["extra"]) if r["extra"] else {}
+    for r, extra in _tensile_rows(rows):
         target = extra.get("match_peak")
         if not target:
             continue
-        job = ok.loc[:i - 1]
+        job = ok.loc[:r.name - 1]   # measured before it (load_rows keeps the order measured)
         job = job[(job[same] == r[same]).all(axis=1)]
         builtin = job[(job["backend"] == target) & (job["peak_mem_mb"] == extra["match_target_mb"])]
         graph = job[job["backend"] == "graph"]

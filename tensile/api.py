@@ -239,9 +239,8 @@ class Scheduler:
     batch mean and inverse std its forward returned (one elementwise kernel on CUDA) instead
     of rerunning the op (a statistics pass more). Faster (H200, b=16, captured, at
     checkpointing's peak: ResNet-50 1 %, DenseNet-121 2 %, Inception-v4 4 % a step), but
-    equal to rounding only: a ReLU
-    after it may then pass a gradient the exact rerun stops, so training matches vanilla
-    within tolerance instead of bit for bit.
+    equal to rounding only: a ReLU after it may then pass a gradient the exact rerun stops,
+    so training matches vanilla within tolerance instead of bit for bit.
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
