@@ -29,6 +29,7 @@ import copy
 import functools
 import logging
 import os
+import statistics
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from .client import SchedulerError, TensileClient
 from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates,
                        scaled_op_times)
 from .graph import GraphStep
-from .optimes import step_op_times_ms
+from .optimes import batch_norm_rerun_shares, step_op_times_ms
 from .plan import Plan
 from .planner import COPY_LATENCY_MS
 from .planner import plan as make_plan
@@ -117,6 +118,9 @@ class SchedulerReport:
     plan_reason: str | None = None    # why the scheduler made it
     plans_received: int = 0           # plan switches ordered by the scheduler
     chained_recomputes: dict = field(default_factory=dict)  # Plan.chained_recomputes
+    # batch_norm_from_stats: the median share of a batch norm's time its rebuild costs
+    # (Scheduler.rerun_share, what the planner priced those recomputes at); None when off
+    bn_rerun_share_median: float | None = None
 
     def plan_figures(self) -> dict:
         """The current plan as the result rows give it (MiB, ms): planned swaps and
@@ -129,6 +133,7 @@ class SchedulerReport:
                 "msr_planned": 1 - self.peak_after / self.peak_before if self.peak_before else None,
                 "plan_feasible": self.feasible, "plan_overhead_ms": self.est_overhead_ms,
                 "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib,
+                "bn_rerun_share_median": self.bn_rerun_share_median,
                 **{f"recomputes_{k}": v for k, v in self.chained_recomputes.items()}}
 
     def plan_check(self) -> dict:
@@ -240,7 +245,10 @@ class Scheduler:
     of rerunning the op (a statistics pass more). Faster (H200, b=16, captured, at
     checkpointing's peak: ResNet-50 1 %, DenseNet-121 2 %, Inception-v4 4 % a step), but
     equal to rounding only: a ReLU after it may then pass a gradient the exact rerun stops,
-    so training matches vanilla within tolerance instead of bit for bit.
+    so training matches vanilla within tolerance instead of bit for bit. The planner prices
+    such a recompute at the share of the op's time that the rebuild took when measured
+    here on a tensor of its shape (``rerun_share``; not sent to a scheduler process,
+    which prices it at the whole op).
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)
@@ -323,6 +331,10 @@ class Scheduler:
                 torch.cuda.empty_cache()  # the measurement's buffers would skew memory readings
         self.d2h_bw, self.h2d_bw = float(d2h_bw), float(h2d_bw)
         # the roofline estimates: the cold start's op times (and capture's fallback)
+        # what rebuilding each batch norm from its statistics costs beside the op: the
+        # planner prices those recomputes with it (measured here, on tensors of their shapes)
+        self.rerun_share = (batch_norm_rerun_shares(self.recording.graph, self.device)
+                            if batch_norm_from_stats else {})
         self.estimated_op_ms = estimate_op_times(self.recording.graph, peak_flops, peak_bytes_per_s)
         self.times = OpTimeModel(self.estimated_op_ms)
         self.captured_vanilla_ms: float | None = None   # see capture()
@@ -360,7 +372,7 @@ class Scheduler:
     @property
     def timeline(self) -> AccessTimeline:
         """The access timeline with the current op-time estimates."""
-        return self.recording.timeline(self.times.op_ms)
+        return self.recording.timeline(self.times.op_ms, self.rerun_share)
 
     def step(self, *batch) -> torch.Tensor:
         """One training step under the current plan; returns the (detached) loss."""
@@ -569,7 +581,10 @@ class Scheduler:
             plan_h2d_bytes_per_s=self.plan.h2d_bytes_per_s, timed_steps=s.timed_steps,
             timed_d2h_bytes=s.timed_d2h_bytes, timed_d2h_ms=s.timed_d2h_ms,
             timed_h2d_bytes=s.timed_h2d_bytes, timed_h2d_ms=s.timed_h2d_ms,
-            chained_recomputes=self.plan.chained_recomputes, **self._server_fields())
+            chained_recomputes=self.plan.chained_recomputes,
+            bn_rerun_share_median=(statistics.median(self.rerun_share.values())
+                                   if self.rerun_share else None),
+            **self._server_fields())
 
     # ------------------------------------------------------------------ internals
     def _talk_to_scheduler(self, iter_ms: float | None, op_ms: list[float] | None,

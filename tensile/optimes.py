@@ -1,4 +1,5 @@
-"""Single-stream GPU time of every op of one training step, in the recorder's op order.
+"""Single-stream GPU time of every op of one training step, in the recorder's op order;
+and what rebuilding a batch norm from its statistics costs beside the op.
 
 The step is captured into one CUDA graph with a timing event after every op that
 :func:`tensile.record.record_step` counts (same filter, same order), and replayed: the
@@ -19,11 +20,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble.capture import _event_gap_ms
 
+from nimble.graph import OpNode, TaskGraph
+
 from .graph import warmup_stream
 from .record import is_counted
+from .runtime import _BN_TRAINING, _batch_norm_apply
 from .step import training_step
+from .timeline import base_name
 
-__all__ = ["step_op_times_ms"]
+__all__ = ["batch_norm_rerun_shares", "step_op_times_ms"]
 
 
 class _EventAfterEachOp(TorchDispatchMode):
@@ -106,3 +111,105 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     gap = _event_gap_ms(side)   # a graph cannot be captured on the default stream
     del graph
     return [max(statistics.median(column) - gap, 0.0) for column in zip(*samples)]
+
+
+def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
+                            repeats: int = 10) -> dict[int, float]:
+    """``{op: share}`` for every forward training-mode batch norm of ``graph``: the time of
+    rebuilding its output from the batch statistics it returned (what a recompute runs with
+    ``Scheduler(..., batch_norm_from_stats=True)``) as a share of the time of the op itself,
+    for :attr:`tensile.timeline.AccessTimeline.rerun_share`; at most 1.
+
+    Both are measured on ``device``, once per distinct input shape and dtype, on random data:
+    on CUDA each as a CUDA graph of ``repeats`` calls (a captured step runs them back to
+    back), elsewhere by wall time (median of ``repeats``). A shape that does not fit in
+    memory now is left out: the planner then prices its recompute at the whole op.
+    """
+    device = torch.device(device)
+    measured: dict[tuple, float | None] = {}
+    shares = {}
+    for node in graph.nodes:
+        key = _batch_norm_key(node)
+        if key is None:
+            continue
+        if key not in measured:
+            try:
+                measured[key] = _apply_share(*key, device, repeats)
+            except torch.OutOfMemoryError:
+                measured[key] = None
+        if measured[key] is not None:
+            shares[node.index] = measured[key]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return shares
+
+
+def _batch_norm_key(node: OpNode) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(input shape, dtype) of a forward training-mode batch norm, else None (eval mode
+    returns no batch statistics: its saved mean is empty)."""
+    if node.phase != "forward" or base_name(node.name) not in _BN_TRAINING:
+        return None
+    if not node.input_shapes or len(node.output_shapes) < 3:
+        return None
+    shape = tuple(node.input_shapes[0])
+    if len(shape) < 2 or tuple(node.output_shapes[0]) != shape \
+            or tuple(node.output_shapes[1]) != (shape[1],):
+        return None
+    dtype = getattr(torch, node.input_dtypes[0].removeprefix("torch."), None)
+    return (shape, dtype) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 repeats: int) -> float:
+    """Time of :func:`tensile.runtime._batch_norm_apply` over the batch norm's own, at ``shape``."""
+    eps, c = 1e-5, shape[1]
+    x = torch.randn(shape, dtype=dtype, device=device)
+    weight, bias = torch.ones(c, dtype=dtype, device=device), torch.zeros(c, dtype=dtype, device=device)
+    running = [torch.zeros(c, dtype=dtype, device=device), torch.ones(c, dtype=dtype, device=device)]
+
+    def op():   # the op a training-mode nn.BatchNorm runs (cuDNN's on CUDA)
+        return torch.ops.aten._batch_norm_with_update(x, weight, bias, *running, 0.1, eps)
+
+    _, mean, invstd, _ = op()
+
+    def apply():
+        return _batch_norm_apply(x, weight, bias, mean, invstd, eps)
+
+    op_ms, apply_ms = (_graph_ms(f, repeats) if device.type == "cuda" else _wall_ms(f, repeats)
+                       for f in (op, apply))
+    return min(1.0, apply_ms / op_ms) if op_ms > 0 else 1.0
+
+
+def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
+    """GPU time of one call of ``fn``: a CUDA graph of ``repeats`` calls, best of 3 replays."""
+    side = warmup_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()                            # lazy init (cuDNN handles) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / repeats)
+    del graph
+    return best
+
+
+def _wall_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Wall time (ms) of one call of ``fn``, median of ``repeats`` after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -628,8 +628,10 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
 
 
 def _rerun_ms(tl: AccessTimeline, producer: int, then: list[int]) -> float:
-    """The time of rerunning ``producer`` and then the in-place ops ``then``."""
-    return float(sum(tl.op_ms[k] for k in [producer, *then]))
+    """The time of rerunning ``producer`` (its ``tl.rerun_share`` where given) and then the
+    in-place ops ``then``."""
+    first = tl.op_ms[producer] * tl.rerun_share.get(producer, 1.0)
+    return float(first + sum(tl.op_ms[k] for k in then))
 
 
 def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:

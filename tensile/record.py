@@ -24,7 +24,7 @@ reference to its ``StorageImpl`` (views and in-place ops share their base's id).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -160,15 +160,17 @@ class Recording:
     # the step's own host<->device copies: (op, "h2d" | "d2h", bytes) (a streamed optimizer)
     transfers: list[tuple[int, str, int]] = field(default_factory=list)
 
-    def timeline(self, op_ms: Sequence[float]) -> AccessTimeline:
-        """The access timeline of this step with the given op durations."""
+    def timeline(self, op_ms: Sequence[float],
+                 rerun_share: Mapping[int, float] | None = None) -> AccessTimeline:
+        """The access timeline of this step with the given op durations (and shares of them
+        that recomputes' reruns cost, :attr:`AccessTimeline.rerun_share`)."""
         swappable = {sid: (sid in self.saved) for sid, r in self.roles.items() if r == "activation"}
         swappable.update({sid: sid in self.needed_by for sid, r in self.roles.items()
                           if r in ("param", "opt_state")})
         return AccessTimeline.from_graph(self.graph, op_ms, roles=self.roles,
                                          swappable=swappable, needed_by=self.needed_by,
                                          random_ops=self.random_ops, held_to_end=self.held_to_end,
-                                         transfers=self.transfers)
+                                         transfers=self.transfers, rerun_share=rerun_share)
 
 
 class _Recorder(TorchDispatchMode):

@@ -102,12 +102,18 @@ class AccessTimeline:
     # bytes): a streamed optimizer's state (:mod:`tensile.streamed`); the planner keeps its
     # copy channels free for them
     transfers: tuple[tuple[int, str, int], ...] = ()
+    # what rerunning op k for a recompute costs, as a share of op_ms[k], where it is not
+    # all of it: a training-mode batch norm rebuilt from the batch statistics it returned
+    # reruns only its elementwise half (``tensile.Scheduler(..., batch_norm_from_stats=True)``).
+    # A share, not ms, so that it holds when op times are measured again or stretched.
+    rerun_share: Mapping[int, float] = field(default_factory=dict)
     start: np.ndarray = field(init=False, repr=False)
     end: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.op_ms = np.asarray(self.op_ms, dtype=np.float64)
         self.transfers = _checked_transfers(self.transfers, len(self.names))
+        self.rerun_share = _checked_rerun_share(self.rerun_share, len(self.names))
         self.end = np.cumsum(self.op_ms)
         self.start = self.end - self.op_ms
 
@@ -176,10 +182,11 @@ class AccessTimeline:
         return int(np.searchsorted(self.start, t_ms - 1e-9, side="left"))
 
     def with_op_times(self, op_ms: Sequence[float]) -> "AccessTimeline":
-        """The same accesses with new op durations (after a measurement)."""
+        """The same accesses with new op durations (after a measurement); ``rerun_share`` is kept."""
         _check_op_ms(op_ms, self.num_ops)
         return AccessTimeline(self.names, self.phases, np.asarray(op_ms, dtype=np.float64),
-                              self.random, self.reads, self.writes, self.tensors, self.transfers)
+                              self.random, self.reads, self.writes, self.tensors, self.transfers,
+                              self.rerun_share)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -194,6 +201,7 @@ class AccessTimeline:
         random_ops: Iterable[int] | None = None,
         held_to_end: Iterable[int] | None = None,
         transfers: Iterable[tuple[int, str, int]] = (),
+        rerun_share: Mapping[int, float] | None = None,
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -207,7 +215,8 @@ class AccessTimeline:
         after their last op: the gradients, which ``optimizer.zero_grad`` frees only after
         ``optimizer.step()`` (a model that freed them at their last read would promise
         memory the step never gives back). ``transfers`` lists the step's own host↔device
-        copies as ``(op, "h2d" | "d2h", bytes)``.
+        copies as ``(op, "h2d" | "d2h", bytes)``. ``rerun_share`` maps an op to the share of
+        its time that rerunning it for a recompute costs, where that is not all of it.
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -257,7 +266,8 @@ class AccessTimeline:
             tensors[sid] = TensorInfo(sid=sid, nbytes=int(nbytes), role=role, accesses=acc,
                                       writes=wr.get(sid, []))
         tl = cls(names, phases, np.asarray(op_ms, dtype=np.float64),
-                 [k in rnd for k in range(n)], reads, writes, tensors, tuple(transfers))
+                 [k in rnd for k in range(n)], reads, writes, tensors, tuple(transfers),
+                 {} if rerun_share is None else rerun_share)
 
         nb = dict(needed_by or {})
         for sid, t in tensors.items():
@@ -289,6 +299,7 @@ class AccessTimeline:
         random_ops: Iterable[int] | None = None,
         held_to_end: Iterable[int] | None = None,
         transfers: Iterable[tuple[int, str, int]] = (),
+        rerun_share: Mapping[int, float] | None = None,
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -319,7 +330,8 @@ class AccessTimeline:
         auto = _graph_roles(graph)
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
-                            random_ops=random_ops, held_to_end=held_to_end, transfers=transfers)
+                            random_ops=random_ops, held_to_end=held_to_end, transfers=transfers,
+                            rerun_share=rerun_share)
 
 
 def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], ...]:
@@ -334,6 +346,23 @@ def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], .
                              f"'d2h', bytes >= 0), got {t!r}")
         out.append((int(t[0]), str(t[1]), int(t[2])))
     return tuple(out)
+
+
+def _checked_rerun_share(rerun_share, num_ops: int) -> dict[int, float]:
+    """``rerun_share`` as ``{op: share}``; ValueError names a bad entry."""
+    if not isinstance(rerun_share, Mapping):
+        raise ValueError(f"rerun_share: expected a mapping of op index to a share of its time, "
+                         f"got {rerun_share!r}")
+    out = {}
+    for k, share in rerun_share.items():
+        ok_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
+        ok_share = (isinstance(share, (int, float, np.floating, np.integer))
+                    and not isinstance(share, bool) and math.isfinite(share) and share > 0)
+        if not (ok_k and ok_share):
+            raise ValueError(f"rerun_share: expected op index in [0, {num_ops}) -> a positive "
+                             f"finite share of its time, got {k!r}: {share!r}")
+        out[int(k)] = float(share)
+    return out
 
 
 def _graph_roles(graph) -> dict[int, str]:

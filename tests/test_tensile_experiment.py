@@ -487,6 +487,7 @@ def test_presets_cover_the_papers_workloads():
     assert list(equal.experiment.methods) == ["vanilla", "graph", "checkpoint_graph", "tensile_graph"]
     # the paper models without dropout (checkpoint_graph refuses VGG-16's and Inception-v3's)
     assert str(equal.hydra.sweeper.params.model).split(",") == ["inception_v4", "resnet50", "densenet121"]
+    assert str(equal.hydra.sweeper.params["experiment.batch_norm_from_stats"]) == "false,true"
     for cfg in (single, batch, budget, captured, streamed, cost, equal):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 

@@ -477,6 +477,25 @@ def test_batch_norm_from_stats_trains_like_eager_within_rounding_on_gpu(monkeypa
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_a_batch_norm_rebuilt_from_its_statistics_is_priced_below_the_op_on_gpu():
+    """On CUDA the rebuild is one elementwise kernel, the op a statistics pass too: at a
+    ResNet-50 layer's shape (b=16) the measured share is well under the whole op, and a
+    Scheduler with ``batch_norm_from_stats`` hands it to the planner."""
+    from nimble.graph import OpNode, TaskGraph
+    from tensile.optimes import batch_norm_rerun_shares
+    shape = (16, 256, 56, 56)
+    node = OpNode(0, "aten.cudnn_batch_norm.default", input_shapes=[shape, (256,)],
+                  input_dtypes=["torch.float32"], output_shapes=[shape, (256,), (256,), (0,)])
+    shares = batch_norm_rerun_shares(TaskGraph(nodes=[node], edges=[]), "cuda")
+    assert 0 < shares[0] < 0.9, shares
+    torch.manual_seed(0)
+    model = make_cuda_resnet(32)
+    sched = tensile.Scheduler(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(1)[0],
+                              nn.functional.cross_entropy, d2h_bw=1e3, h2d_bw=1e3, replan=False,
+                              batch_norm_from_stats=True)
+    assert sched.timeline.rerun_share and all(0 < v <= 1 for v in sched.rerun_share.values())
+
+
 def test_captures_leave_no_cublas_workspace_behind():
     """Every warm-up before a capture runs on one stream per device: cuBLAS keeps a workspace
     for each stream it ran on, so a fresh stream per capture left one more (65 MiB on an

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -546,6 +547,46 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     assert sched.report().recomputes == steps * len(sched.plan.recomputes)
     for a, b in zip(*states):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(monkeypatch):
+    """The share of a batch norm's time its rebuild from statistics costs: one entry per
+    forward training-mode batch norm, measured once per shape; an eval-mode one (no batch
+    statistics) has none. A Scheduler with ``batch_norm_from_stats`` plans with them."""
+    from tensile import optimes
+    from tensile.record import record_step
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8),
+                          nn.BatchNorm2d(8), nn.Flatten(), nn.LazyLinear(10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+    training_step(model, opt, batch, nn.functional.cross_entropy)   # the lazy layer's shape
+    model[8].eval()                                                  # batch statistics: none
+    rec = record_step(model, opt, batch, nn.functional.cross_entropy)
+    bn = [n.index for n in rec.graph.nodes
+          if "batch_norm" in n.name and n.phase == "forward"]
+    measured = []
+    real = optimes._apply_share
+
+    def counting(shape, *args):
+        measured.append(shape)
+        return real(shape, *args)
+    monkeypatch.setattr(optimes, "_apply_share", counting)
+    shares = optimes.batch_norm_rerun_shares(rec.graph, "cpu")
+    assert sorted(shares) == bn[:3] and len(bn) == 4          # the eval-mode one left out
+    assert sorted(measured) == [(4, 4, 8, 8), (4, 8, 4, 4)]   # two shapes, each once
+    assert all(0 < v <= 1 for v in shares.values())
+
+    net = make_resnet()
+    sched = tensile.Scheduler(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(1)[0],
+                              nn.functional.cross_entropy, **FAST, d2h_bw=1e3, h2d_bw=1e3,
+                              replan=False, batch_norm_from_stats=True)
+    tl = sched.timeline
+    assert tl.rerun_share == sched.rerun_share and tl.rerun_share
+    assert all("batch_norm" in tl.names[k] and tl.phases[k] == "forward" for k in tl.rerun_share)
+    share = sched.report().plan_figures()["bn_rerun_share_median"]   # what the rows carry
+    assert share == statistics.median(tl.rerun_share.values())
 
 
 @pytest.mark.parametrize("affine", [True, False])

@@ -77,6 +77,16 @@ def test_bad_timelines_are_rejected_clearly(ops, sizes, roles, match):
         AccessTimeline.from_ops(ops, sizes, roles)
 
 
+@pytest.mark.parametrize("share, match", [
+    ({6: 0.5}, r"op index in \[0, 1\)"), ({0: 0.0}, "positive finite share"),
+    ({0: float("nan")}, "positive finite share"), ({True: 0.5}, "op index"),
+    ([0.5], "a mapping of op index"),
+])
+def test_bad_rerun_shares_are_rejected_clearly(share, match):
+    with pytest.raises(ValueError, match=match):
+        AccessTimeline.from_ops([("a", "forward", 1.0, [], [1])], {1: 4}, rerun_share=share)
+
+
 def test_from_graph_checks_lengths():
     with pytest.raises(ValueError, match="6 nodes"):
         AccessTimeline.from_graph(_training_graph(), [1.0])
