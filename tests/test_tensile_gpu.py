@@ -334,7 +334,8 @@ def test_captured_vanilla_peak_is_the_steps_own():
 
 def test_capture_plans_for_the_captured_steps_own_timing():
     """The eager step's measured op times include the host's gaps; the capture re-plans with
-    each op's time in a graph of the vanilla step, which add up to about its replay time."""
+    each op's time in a graph of the vanilla step, scaled to add up to its replay time (the
+    timing events slow the instrumented graph: 1.03-1.47x, more with a streamed optimizer)."""
     data = batches(6, batch=64, hw=64)
     model = make_cnn(width=64)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
@@ -348,8 +349,7 @@ def test_capture_plans_for_the_captured_steps_own_timing():
           f"{sched.plan.summary()}")
     assert sched.captured_vanilla_ms > 0 and sched.replans == replans + 1
     assert sched.plan.iteration_ms == pytest.approx(sum(sched.times.op_ms), rel=1e-6)
-    # the per-op times leave out the events' own cost: a little under one replay
-    assert 0.5 * sched.captured_vanilla_ms < sched.plan.iteration_ms < 1.2 * sched.captured_vanilla_ms
+    assert sched.plan.iteration_ms == pytest.approx(sched.captured_vanilla_ms, rel=1e-6)
     loss = graph(*data[1])
     assert torch.isfinite(loss)
     kept = sched.replans
