@@ -589,8 +589,7 @@ class Scheduler:
             timed_d2h_bytes=s.timed_d2h_bytes, timed_d2h_ms=s.timed_d2h_ms,
             timed_h2d_bytes=s.timed_h2d_bytes, timed_h2d_ms=s.timed_h2d_ms,
             chained_recomputes=self.plan.chained_recomputes,
-            bn_rerun_share_median=(statistics.median(self.rerun_share.values())
-                                   if self.rerun_share else None),
+            bn_rerun_share_median=self._bn_rerun_share_median(),
             **self._server_fields())
 
     # ------------------------------------------------------------------ internals
@@ -641,6 +640,12 @@ class Scheduler:
             self.runner.set_plan(self.plan)
             return
         self.plans_received += plan is not None
+
+    def _bn_rerun_share_median(self) -> float | None:
+        """The median share of a batch norm's time its rebuild costs (None: none priced)."""
+        names = self.recording.graph.nodes
+        bn = [v for k, v in self.rerun_share.items() if "batch_norm" in names[k].name]
+        return statistics.median(bn) if bn else None
 
     def _vanilla_plan(self) -> Plan:
         """No swaps, no recomputation: what runs while the scheduler has no plan for us."""

@@ -22,6 +22,7 @@ from nimble.capture import _event_gap_ms
 
 from nimble.graph import OpNode, TaskGraph
 
+from .fused import batch_norm_relu
 from .graph import warmup_stream
 from .record import is_counted
 from .runtime import _BN_TRAINING, _batch_norm_apply
@@ -118,7 +119,9 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
     """``{op: share}`` for every forward training-mode batch norm of ``graph``: the time of
     rebuilding its output from the batch statistics it returned (what a recompute runs with
     ``Scheduler(..., batch_norm_from_stats=True)``) as a share of the time of the op itself,
-    for :attr:`tensile.timeline.AccessTimeline.rerun_share`; at most 1.
+    for :attr:`tensile.timeline.AccessTimeline.rerun_share`. Where the next op to
+    read the output is ``relu_`` (``ReLU(inplace=True)``), the rebuild is the fused one
+    (:func:`tensile.fused.batch_norm_relu`) and that ``relu_`` gets share 0: it reruns inside.
 
     Both are measured on ``device``, once per distinct input shape and dtype, on random data:
     on CUDA each as a CUDA graph of ``repeats`` calls (a captured step runs them back to
@@ -132,6 +135,8 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
         key = _batch_norm_key(node)
         if key is None:
             continue
+        relu = _relu_after(graph, node)
+        key = (*key, relu is not None)
         if key not in measured:
             try:
                 measured[key] = _apply_share(*key, device, repeats)
@@ -139,6 +144,8 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
                 measured[key] = None
         if measured[key] is not None:
             shares[node.index] = measured[key]
+            if relu is not None:
+                shares[relu] = 0.0
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return shares
@@ -159,9 +166,21 @@ def _batch_norm_key(node: OpNode) -> tuple[tuple[int, ...], torch.dtype] | None:
     return (shape, dtype) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
-def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 repeats: int) -> float:
-    """Time of :func:`tensile.runtime._batch_norm_apply` over the batch norm's own, at ``shape``."""
+def _relu_after(graph: TaskGraph, node: OpNode) -> int | None:
+    """The index of the ``relu_`` that is the next op to touch what ``node`` wrote, or None."""
+    written = set(node.writes)
+    for later in graph.nodes[node.index + 1:]:
+        if written & (set(later.reads) | set(later.writes)):
+            hit = base_name(later.name) == "relu_" and len(set(later.writes)) == 1
+            return later.index if hit else None
+    return None
+
+
+def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, with_relu: bool,
+                 device: torch.device, repeats: int) -> float:
+    """Time of the rebuild (:func:`tensile.runtime._batch_norm_apply`, or
+    :func:`tensile.fused.batch_norm_relu` ``with_relu``) over the batch norm's own, at
+    ``shape``; at least 1e-3 (no rerun is free)."""
     eps, c = 1e-5, shape[1]
     x = torch.randn(shape, dtype=dtype, device=device)
     weight, bias = torch.ones(c, dtype=dtype, device=device), torch.zeros(c, dtype=dtype, device=device)
@@ -171,13 +190,14 @@ def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
         return torch.ops.aten._batch_norm_with_update(x, weight, bias, *running, 0.1, eps)
 
     _, mean, invstd, _ = op()
+    rebuild = batch_norm_relu if with_relu else _batch_norm_apply
 
     def apply():
-        return _batch_norm_apply(x, weight, bias, mean, invstd, eps)
+        return rebuild(x, weight, bias, mean, invstd, eps)
 
     op_ms, apply_ms = (_graph_ms(f, repeats) if device.type == "cuda" else _wall_ms(f, repeats)
                        for f in (op, apply))
-    return min(1.0, apply_ms / op_ms) if op_ms > 0 else 1.0
+    return max(1e-3, apply_ms / op_ms) if op_ms > 0 else 1.0
 
 
 def _graph_ms(fn: Callable[[], object], repeats: int) -> float:

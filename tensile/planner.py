@@ -377,7 +377,7 @@ class PlanState:
                 continue
             if not self._affordable(r, p, max_cost_ms, added):
                 continue
-            score = net / r.cost_ms
+            score = net / max(r.cost_ms, EPS)   # a rerun may cost (nearly) nothing
             if best is None or score > best[0]:
                 best = (score, [r])
         group = self._best_group(sharing, p, max_cost_ms)
@@ -414,7 +414,7 @@ class PlanState:
         for members in groups.values():
             dropped = {r.sid for r in members}
             members = [r for r in members if not dropped & set(r.sources)]  # no chains here
-            members.sort(key=lambda r: (-r.nbytes / r.cost_ms, r.sid))
+            members.sort(key=lambda r: (-r.nbytes / max(r.cost_ms, EPS), r.sid))
             chosen, cost = [], 0.0
             for r in members:
                 if cost + r.cost_ms <= max_cost_ms + EPS:
@@ -425,7 +425,7 @@ class PlanState:
             lowered = self._group_curve(chosen, p)
             if lowered is None:
                 continue
-            score = lowered / cost
+            score = lowered / max(cost, EPS)
             if best is None or score > best[0]:
                 best = (score, chosen)
         return best
@@ -628,10 +628,9 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
 
 
 def _rerun_ms(tl: AccessTimeline, producer: int, then: list[int]) -> float:
-    """The time of rerunning ``producer`` (its ``tl.rerun_share`` where given) and then the
-    in-place ops ``then``."""
-    first = tl.op_ms[producer] * tl.rerun_share.get(producer, 1.0)
-    return float(first + sum(tl.op_ms[k] for k in then))
+    """The time of rerunning ``producer`` and then the in-place ops ``then`` (each op at its
+    ``tl.rerun_share`` of its time where given)."""
+    return float(sum(tl.op_ms[k] * tl.rerun_share.get(k, 1.0) for k in [producer, *then]))
 
 
 def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:

@@ -45,7 +45,8 @@ Mechanism (reference §9, §11):
   copies of its running statistics (it updated the real ones once already), or, with
   ``batch_norm_from_stats``, a training-mode one's output is rebuilt from the batch mean
   and inverse std the op returned, with no statistics pass (:func:`_batch_norm_apply`:
-  faster, equal to rounding, not bit for bit). An input
+  faster, equal to rounding, not bit for bit; with the ``ReLU(inplace=True)`` after it, one
+  kernel, :func:`tensile.fused.batch_norm_relu`). An input
   that is itself a managed activation is kept as a reference to its entry, not to its
   memory, and brought back first (recomputed or copied in) when the recompute runs, or,
   where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
@@ -85,6 +86,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
+from .fused import batch_norm_relu
 from .plan import Plan, Recompute, Swap
 from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
 from .step import training_step
@@ -838,10 +840,15 @@ class PlanRunner:
         return (_batch_norm_apply, (kept[0], kept[1], kept[2], mean, invstd, float(args[eps_at])), {}, 0)
 
     def _note_updates(self, k: int, func, args, kwargs) -> None:
-        """Op ``k`` updated recomputed tensors in place: keep it to replay after their producer."""
+        """Op ``k`` updated recomputed tensors in place: keep it to replay after their producer
+        (a ReLU right after a batch norm rebuilt from its statistics joins that rebuild)."""
         for sid in self.updates[k]:
             e = self._entries.get(sid)
-            if e is not None and e.recipe is not None:
+            if e is None or e.recipe is None:
+                continue
+            if not e.then and e.recipe[0] is _batch_norm_apply and func is _RELU_:
+                e.recipe = (batch_norm_relu, *e.recipe[1:])   # two passes where it cannot fuse
+            else:
                 e.then.append((func, *self._recipe_args(k, args, kwargs, e, set())))
 
     def _recipe_args(self, k: int, args, kwargs, own: _Entry | None, scratch: set[int]):
@@ -1191,6 +1198,8 @@ class PlanRunner:
             return v if isinstance(v, torch.Tensor) else None
         return None
 
+
+_RELU_ = torch.ops.aten.relu_.default
 
 # Training-mode batch norms: op name -> (position of the ``training`` argument, None where
 # the op always trains; position of ``eps``). Outputs 0-2 of each: the normalised input, the

@@ -104,8 +104,9 @@ class AccessTimeline:
     transfers: tuple[tuple[int, str, int], ...] = ()
     # what rerunning op k for a recompute costs, as a share of op_ms[k], where it is not
     # all of it: a training-mode batch norm rebuilt from the batch statistics it returned
-    # reruns only its elementwise half (``tensile.Scheduler(..., batch_norm_from_stats=True)``).
-    # A share, not ms, so that it holds when op times are measured again or stretched.
+    # reruns only its elementwise half, and the ReLU(inplace=True) after it joins that pass
+    # (share 0) (``tensile.Scheduler(..., batch_norm_from_stats=True)``). A share, not ms, so
+    # that it holds when op times are measured again or stretched.
     rerun_share: Mapping[int, float] = field(default_factory=dict)
     start: np.ndarray = field(init=False, repr=False)
     end: np.ndarray = field(init=False, repr=False)
@@ -357,10 +358,10 @@ def _checked_rerun_share(rerun_share, num_ops: int) -> dict[int, float]:
     for k, share in rerun_share.items():
         ok_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
         ok_share = (isinstance(share, (int, float, np.floating, np.integer))
-                    and not isinstance(share, bool) and math.isfinite(share) and share > 0)
+                    and not isinstance(share, bool) and math.isfinite(share) and share >= 0)
         if not (ok_k and ok_share):
-            raise ValueError(f"rerun_share: expected op index in [0, {num_ops}) -> a positive "
-                             f"finite share of its time, got {k!r}: {share!r}")
+            raise ValueError(f"rerun_share: expected op index in [0, {num_ops}) -> a finite "
+                             f"share of its time >= 0, got {k!r}: {share!r}")
         out[int(k)] = float(share)
     return out
 

@@ -484,16 +484,42 @@ def test_a_batch_norm_rebuilt_from_its_statistics_is_priced_below_the_op_on_gpu(
     from nimble.graph import OpNode, TaskGraph
     from tensile.optimes import batch_norm_rerun_shares
     shape = (16, 256, 56, 56)
-    node = OpNode(0, "aten.cudnn_batch_norm.default", input_shapes=[shape, (256,)],
-                  input_dtypes=["torch.float32"], output_shapes=[shape, (256,), (256,), (0,)])
-    shares = batch_norm_rerun_shares(TaskGraph(nodes=[node], edges=[]), "cuda")
-    assert 0 < shares[0] < 0.9, shares
+    nodes = [OpNode(k, "aten.cudnn_batch_norm.default", input_shapes=[shape, (256,)],
+                    input_dtypes=["torch.float32"], output_shapes=[shape, (256,), (256,), (0,)],
+                    reads=[0], writes=[k + 1]) for k in (0, 1)]
+    nodes.append(OpNode(2, "aten.relu_.default", reads=[2], writes=[2]))   # after the second
+    shares = batch_norm_rerun_shares(TaskGraph(nodes=nodes, edges=[]), "cuda")
+    print(f"rebuild / op at {shape}: {shares[0]:.3f}, with the ReLU fused in: {shares[1]:.3f}")
+    assert 0 < shares[0] < 0.9 and 0 < shares[1] < 0.9 and shares[2] == 0, shares
     torch.manual_seed(0)
     model = make_cuda_resnet(32)
     sched = tensile.Scheduler(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(1)[0],
                               nn.functional.cross_entropy, d2h_bw=1e3, h2d_bw=1e3, replan=False,
                               batch_norm_from_stats=True)
     assert sched.timeline.rerun_share and all(0 < v <= 1 for v in sched.rerun_share.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_batch_norm_relu_kernel_is_the_two_passes_to_rounding(dtype, channels_last, affine):
+    from tensile.fused import batch_norm_relu, fused_available
+    from tensile.runtime import _batch_norm_apply
+    torch.manual_seed(0)
+    x = torch.randn(3, 20, 7, 9, device="cuda", dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = ((torch.rand(20, device="cuda", dtype=dtype) + 0.5, torch.randn(20, device="cuda", dtype=dtype))
+            if affine else (None, None))
+    _, mean, invstd, _ = torch.ops.aten._batch_norm_with_update(
+        x, w, b, torch.zeros(20, device="cuda", dtype=dtype), torch.ones(20, device="cuda", dtype=dtype),
+        0.1, 1e-5)
+    assert fused_available(x)
+    got = batch_norm_relu(x, w, b, mean, invstd, 1e-5)
+    want = _batch_norm_apply(x, w, b, mean, invstd, 1e-5).relu_()
+    assert got.dtype == dtype and got.stride() == x.stride()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
 
 
 def test_captures_leave_no_cublas_workspace_behind():

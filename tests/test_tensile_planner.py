@@ -164,9 +164,9 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     assert not any(tl.random[k] for k in chain)
     rebuilt = {q.sid: q for q in p.recomputes}
     chains = [chain] + [[rebuilt[s].producer_op, *rebuilt[s].then_ops] for s in r.transient]
-    # each rerun's producer costs its share of its time (all of it unless rerun_share says)
-    assert r.cost_ms == pytest.approx(sum(tl.op_ms[c[0]] * tl.rerun_share.get(c[0], 1.0)
-                                          + sum(tl.op_ms[k] for k in c[1:]) for c in chains))
+    # each rerun op costs its share of its time (all of it unless rerun_share says)
+    assert r.cost_ms == pytest.approx(sum(tl.op_ms[k] * tl.rerun_share.get(k, 1.0)
+                                          for c in chains for k in c))
     assert r.scratch == [s for s in tl.writes[r.producer_op]
                          if s != r.sid and (tl.tensors[s].persistent or tl.tensors[s].writes[0] != r.producer_op)]
     before = [a for a in t.accesses if a < r.before_op]
@@ -540,6 +540,10 @@ def test_recompute_reruns_in_place_updates_and_batch_norm_on_scratch_statistics(
                                     BN_ROLES, rerun_share={1: 0.25})
     (r,) = [r for r in plan(cheap, budget_bytes=13 * MB, **slow).recomputes if r.sid == 11]
     assert r.cost_ms == pytest.approx(0.25 + 1.0)       # op 1 at a quarter, the relu_ whole
+    fused = AccessTimeline.from_ops(_bn_relu_ops("aten.native_batch_norm.default"), BN_SIZES,
+                                    BN_ROLES, rerun_share={1: 0.5, 2: 0.0})  # relu_ in its pass
+    (r,) = [r for r in plan(fused, budget_bytes=13 * MB, **slow).recomputes if r.sid == 11]
+    assert r.cost_ms == pytest.approx(0.5) and r.then_ops == [2]
     assert cheap.with_op_times([2.0] * cheap.num_ops).rerun_share == {1: 0.25}
     # any other op that writes a tensor besides its output would repeat that write
     other = AccessTimeline.from_ops(_bn_relu_ops("aten.foo.default"), BN_SIZES, BN_ROLES)

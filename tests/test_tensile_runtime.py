@@ -534,6 +534,10 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
         applied.append(args[0].shape)
         return real(*args)
     monkeypatch.setattr(runtime, "_batch_norm_apply", counting)
+    monkeypatch.setattr(tensile.api, "batch_norm_rerun_shares", lambda *a: {})  # no timing calls
+    fused = []
+    real_fused = runtime.batch_norm_relu
+    monkeypatch.setattr(runtime, "batch_norm_relu", lambda *a: fused.append(1) or real_fused(*a))
     steps = 5
     # statistics too small to plan (as on a GPU, where nothing under 64 KiB moves): a plan
     # that moved them would rerun the op instead (the recipe holds them by reference)
@@ -544,6 +548,10 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     bn_sids = {r.sid for r in bn}
     again = sum(len(set(r.transient) & bn_sids) for r in sched.plan.recomputes)
     assert bn and len(applied) == steps * (len(bn) + again)
+    # a rebuild with the ReLU(inplace=True) after it takes that ReLU along (one kernel on CUDA)
+    with_relu = {r.sid for r in bn if [sched.timeline.names[k] for k in r.then_ops] == ["aten.relu_.default"]}
+    assert with_relu and len(fused) == steps * (len(with_relu) + sum(
+        len(set(r.transient) & with_relu) for r in sched.plan.recomputes))
     assert sched.report().recomputes == steps * len(sched.plan.recomputes)
     for a, b in zip(*states):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -551,11 +559,13 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
 
 def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(monkeypatch):
     """The share of a batch norm's time its rebuild from statistics costs: one entry per
-    forward training-mode batch norm, measured once per shape; an eval-mode one (no batch
-    statistics) has none. A Scheduler with ``batch_norm_from_stats`` plans with them."""
+    forward training-mode batch norm, measured once per shape (and per whether a
+    ReLU(inplace=True) joins the rebuild: that relu_ then costs nothing more); an eval-mode
+    one (no batch statistics) has none. A Scheduler with ``batch_norm_from_stats`` plans
+    with them."""
     from tensile import optimes
     from tensile.record import record_step
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
                           nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8),
                           nn.BatchNorm2d(8), nn.Flatten(), nn.LazyLinear(10))
@@ -569,14 +579,17 @@ def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(m
     measured = []
     real = optimes._apply_share
 
-    def counting(shape, *args):
-        measured.append(shape)
-        return real(shape, *args)
+    def counting(shape, dtype, with_relu, *args):
+        measured.append((shape, with_relu))
+        return real(shape, dtype, with_relu, *args)
     monkeypatch.setattr(optimes, "_apply_share", counting)
     shares = optimes.batch_norm_rerun_shares(rec.graph, "cpu")
-    assert sorted(shares) == bn[:3] and len(bn) == 4          # the eval-mode one left out
-    assert sorted(measured) == [(4, 4, 8, 8), (4, 8, 4, 4)]   # two shapes, each once
-    assert all(0 < v <= 1 for v in shares.values())
+    relu_ = [n.index for n in rec.graph.nodes if n.name == "aten.relu_.default"]
+    assert len(relu_) == 1 and relu_[0] > bn[0]
+    assert sorted(shares) == sorted(bn[:3] + relu_) and len(bn) == 4   # eval-mode one left out
+    assert shares[relu_[0]] == 0.0 and all(shares[k] > 0 for k in bn[:3])
+    # three kinds, each once: the first rebuild takes its ReLU along, the second does not
+    assert sorted(measured) == [((4, 4, 8, 8), False), ((4, 4, 8, 8), True), ((4, 8, 4, 4), False)]
 
     net = make_resnet()
     sched = tensile.Scheduler(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(1)[0],
@@ -584,9 +597,24 @@ def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(m
                               replan=False, batch_norm_from_stats=True)
     tl = sched.timeline
     assert tl.rerun_share == sched.rerun_share and tl.rerun_share
-    assert all("batch_norm" in tl.names[k] and tl.phases[k] == "forward" for k in tl.rerun_share)
+    assert all(tl.phases[k] == "forward" and ("batch_norm" in tl.names[k] or
+                                              (tl.names[k] == "aten.relu_.default" and v == 0))
+               for k, v in tl.rerun_share.items())
     share = sched.report().plan_figures()["bn_rerun_share_median"]   # what the rows carry
-    assert share == statistics.median(tl.rerun_share.values())
+    assert share == statistics.median(v for k, v in tl.rerun_share.items() if "batch_norm" in tl.names[k])
+
+
+def test_batch_norm_relu_without_its_kernel_is_the_two_passes():
+    """On the CPU (no Triton) the fused rebuild is the rebuild and then ReLU, exactly."""
+    from tensile.fused import batch_norm_relu, fused_available
+    from tensile.runtime import _batch_norm_apply
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 6, 5, 5), torch.rand(6) + 0.5, torch.randn(6)
+    _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, torch.zeros(6), torch.ones(6),
+                                                       True, 0.1, 1e-5)
+    assert not fused_available(x)
+    assert torch.equal(batch_norm_relu(x, w, b, mean, invstd, 1e-5),
+                       _batch_norm_apply(x, w, b, mean, invstd, 1e-5).relu_())
 
 
 @pytest.mark.parametrize("affine", [True, False])

@@ -78,8 +78,8 @@ def test_bad_timelines_are_rejected_clearly(ops, sizes, roles, match):
 
 
 @pytest.mark.parametrize("share, match", [
-    ({6: 0.5}, r"op index in \[0, 1\)"), ({0: 0.0}, "positive finite share"),
-    ({0: float("nan")}, "positive finite share"), ({True: 0.5}, "op index"),
+    ({6: 0.5}, r"op index in \[0, 1\)"), ({0: -0.5}, "finite share of its time >= 0"),
+    ({0: float("nan")}, "finite share"), ({True: 0.5}, "op index"),
     ([0.5], "a mapping of op index"),
 ])
 def test_bad_rerun_shares_are_rejected_clearly(share, match):
