@@ -25,6 +25,7 @@ trying to re-register; no step is lost or changed by it (see :mod:`tensile.clien
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import logging
@@ -54,7 +55,7 @@ from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
 from .scale import batch_size_of, scale_recording, slice_batch, valid_record_batches
 from .step import training_step
 from .streamed import streamed_of
-from .timeline import AccessTimeline
+from .timeline import AccessTimeline, base_name
 
 __all__ = ["Scheduler", "SchedulerReport", "fragmentation_hint", "resolve_budget", "gb_per_s"]
 
@@ -121,6 +122,8 @@ class SchedulerReport:
     # batch_norm_from_stats: the median share of a batch norm's time its rebuild costs
     # (Scheduler.rerun_share, what the planner priced those recomputes at); None when off
     bn_rerun_share_median: float | None = None
+    # what the plan recomputes, by the producing op's name (``cudnn_batch_norm``: 27, ...)
+    recomputes_by_op: dict = field(default_factory=dict)
 
     def plan_figures(self) -> dict:
         """The current plan as the result rows give it (MiB, ms): planned swaps and
@@ -134,6 +137,7 @@ class SchedulerReport:
                 "plan_feasible": self.feasible, "plan_overhead_ms": self.est_overhead_ms,
                 "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib,
                 "bn_rerun_share_median": self.bn_rerun_share_median,
+                "recomputes_by_op": dict(self.recomputes_by_op),
                 **{f"recomputes_{k}": v for k, v in self.chained_recomputes.items()}}
 
     def plan_check(self) -> dict:
@@ -590,6 +594,8 @@ class Scheduler:
             timed_h2d_bytes=s.timed_h2d_bytes, timed_h2d_ms=s.timed_h2d_ms,
             chained_recomputes=self.plan.chained_recomputes,
             bn_rerun_share_median=self._bn_rerun_share_median(),
+            recomputes_by_op=dict(collections.Counter(
+                base_name(self.recording.graph.nodes[r.producer_op].name) for r in self.plan.recomputes)),
             **self._server_fields())
 
     # ------------------------------------------------------------------ internals

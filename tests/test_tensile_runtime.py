@@ -550,6 +550,8 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     assert bn and len(applied) == steps * (len(bn) + again)
     # a rebuild with the ReLU(inplace=True) after it takes that ReLU along (one kernel on CUDA)
     with_relu = {r.sid for r in bn if [sched.timeline.names[k] for k in r.then_ops] == ["aten.relu_.default"]}
+    by_op = sched.report().plan_figures()["recomputes_by_op"]    # what the rows carry
+    assert sum(by_op.values()) == len(sched.plan.recomputes) and by_op["native_batch_norm"] == len(bn)
     assert with_relu and len(fused) == steps * (len(with_relu) + sum(
         len(set(r.transient) & with_relu) for r in sched.plan.recomputes))
     assert sched.report().recomputes == steps * len(sched.plan.recomputes)
