@@ -22,7 +22,7 @@ from nimble.capture import _event_gap_ms
 
 from nimble.graph import OpNode, TaskGraph
 
-from .fused import batch_norm_relu
+from .fused import batch_norm_act
 from .graph import warmup_stream
 from .record import is_counted
 from .runtime import _BN_TRAINING, _batch_norm_apply
@@ -119,14 +119,15 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
     """``{op: share}`` for every forward training-mode batch norm of ``graph``: the time of
     rebuilding its output from the batch statistics it returned (what a recompute runs with
     ``Scheduler(..., batch_norm_from_stats=True)``) as a share of the time of the op itself,
-    for :attr:`tensile.timeline.AccessTimeline.rerun_share`. Where the next op to
-    read the output is ``relu_`` (``ReLU(inplace=True)``), the rebuild is the fused one
-    (:func:`tensile.fused.batch_norm_relu`) and that ``relu_`` gets share 0: it reruns inside.
+    for :attr:`tensile.timeline.AccessTimeline.rerun_share`. Where the next ops on the output
+    are a residual ``add_`` and/or a ``relu_`` (``out += identity``, ``ReLU(inplace=True)``),
+    the rebuild is the fused one (:func:`tensile.fused.batch_norm_act`) and they get share 0:
+    they rerun inside it.
 
-    Both are measured on ``device``, once per distinct input shape and dtype, on random data:
-    on CUDA each as a CUDA graph of ``repeats`` calls (a captured step runs them back to
-    back), elsewhere by wall time (median of ``repeats``). A shape that does not fit in
-    memory now is left out: the planner then prices its recompute at the whole op.
+    Both are measured on ``device``, once per distinct input shape, dtype and fused ops, on
+    random data: on CUDA each as a CUDA graph of ``repeats`` calls (a captured step runs them
+    back to back), elsewhere by wall time (median of ``repeats``). A shape that does not fit
+    in memory now is left out: the planner then prices its recompute at the whole op.
     """
     device = torch.device(device)
     measured: dict[tuple, float | None] = {}
@@ -135,8 +136,8 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
         key = _batch_norm_key(node)
         if key is None:
             continue
-        relu = _relu_after(graph, node)
-        key = (*key, relu is not None)
+        joined = _joined_after(graph, node)
+        key = (*key, tuple(name for _, name in joined))
         if key not in measured:
             try:
                 measured[key] = _apply_share(*key, device, repeats)
@@ -144,8 +145,7 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
                 measured[key] = None
         if measured[key] is not None:
             shares[node.index] = measured[key]
-            if relu is not None:
-                shares[relu] = 0.0
+            shares.update({k: 0.0 for k, _ in joined})
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return shares
@@ -166,23 +166,35 @@ def _batch_norm_key(node: OpNode) -> tuple[tuple[int, ...], torch.dtype] | None:
     return (shape, dtype) if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
-def _relu_after(graph: TaskGraph, node: OpNode) -> int | None:
-    """The index of the ``relu_`` that is the next op to touch what ``node`` wrote, or None."""
-    written = set(node.writes)
+def _joined_after(graph: TaskGraph, node: OpNode) -> list[tuple[int, str]]:
+    """The in-place ops right after batch norm ``node`` that its fused rebuild runs too, as
+    the runtime joins them (:func:`tensile.runtime._joined`): ``[(index, "add_")]`` for a
+    residual add of a tensor of the same shape, then ``(index, "relu_")``; each must be the
+    next op to touch the output, and write nothing else."""
+    joined: list[tuple[int, str]] = []
+    out = set(node.writes)
     for later in graph.nodes[node.index + 1:]:
-        if written & (set(later.reads) | set(later.writes)):
-            hit = base_name(later.name) == "relu_" and len(set(later.writes)) == 1
-            return later.index if hit else None
-    return None
+        if not out & (set(later.reads) | set(later.writes)):
+            continue
+        name = base_name(later.name)
+        alone = set(later.writes) <= out
+        if name == "add_" and not joined and alone and later.input_shapes[:2] == [node.input_shapes[0]] * 2:
+            joined.append((later.index, name))
+            continue
+        if name == "relu_" and alone:
+            joined.append((later.index, name))
+        break
+    return joined
 
 
-def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, with_relu: bool,
+def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, joined: tuple[str, ...],
                  device: torch.device, repeats: int) -> float:
     """Time of the rebuild (:func:`tensile.runtime._batch_norm_apply`, or
-    :func:`tensile.fused.batch_norm_relu` ``with_relu``) over the batch norm's own, at
-    ``shape``; at least 1e-3 (no rerun is free)."""
+    :func:`tensile.fused.batch_norm_act` with the ``joined`` in-place ops) over the batch
+    norm's own, at ``shape``; at least 1e-3 (no rerun is free)."""
     eps, c = 1e-5, shape[1]
     x = torch.randn(shape, dtype=dtype, device=device)
+    residual = torch.randn_like(x) if "add_" in joined else None
     weight, bias = torch.ones(c, dtype=dtype, device=device), torch.zeros(c, dtype=dtype, device=device)
     running = [torch.zeros(c, dtype=dtype, device=device), torch.ones(c, dtype=dtype, device=device)]
 
@@ -190,10 +202,12 @@ def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, with_relu: bool,
         return torch.ops.aten._batch_norm_with_update(x, weight, bias, *running, 0.1, eps)
 
     _, mean, invstd, _ = op()
-    rebuild = batch_norm_relu if with_relu else _batch_norm_apply
 
     def apply():
-        return rebuild(x, weight, bias, mean, invstd, eps)
+        if not joined:
+            return _batch_norm_apply(x, weight, bias, mean, invstd, eps)
+        return batch_norm_act(x, weight, bias, mean, invstd, eps, residual=residual,
+                              relu="relu_" in joined)
 
     op_ms, apply_ms = (_graph_ms(f, repeats) if device.type == "cuda" else _wall_ms(f, repeats)
                        for f in (op, apply))

@@ -45,8 +45,8 @@ Mechanism (reference §9, §11):
   copies of its running statistics (it updated the real ones once already), or, with
   ``batch_norm_from_stats``, a training-mode one's output is rebuilt from the batch mean
   and inverse std the op returned, with no statistics pass (:func:`_batch_norm_apply`:
-  faster, equal to rounding, not bit for bit; with the ``ReLU(inplace=True)`` after it, one
-  kernel, :func:`tensile.fused.batch_norm_relu`). An input
+  faster, equal to rounding, not bit for bit; with the residual ``add_`` and
+  ``ReLU(inplace=True)`` after it, one kernel, :func:`tensile.fused.batch_norm_act`). An input
   that is itself a managed activation is kept as a reference to its entry, not to its
   memory, and brought back first (recomputed or copied in) when the recompute runs, or,
   where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
@@ -86,7 +86,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map
 
-from .fused import batch_norm_relu
+from .fused import batch_norm_act
 from .plan import Plan, Recompute, Swap
 from .record import Recording, autograd_nodes, device_tensors, is_counted, op_name
 from .step import training_step
@@ -841,15 +841,18 @@ class PlanRunner:
 
     def _note_updates(self, k: int, func, args, kwargs) -> None:
         """Op ``k`` updated recomputed tensors in place: keep it to replay after their producer
-        (a ReLU right after a batch norm rebuilt from its statistics joins that rebuild)."""
+        (a residual add and a ReLU right after a batch norm rebuilt from its statistics join
+        that rebuild, :func:`_joined`)."""
         for sid in self.updates[k]:
             e = self._entries.get(sid)
             if e is None or e.recipe is None:
                 continue
-            if not e.then and e.recipe[0] is _batch_norm_apply and func is _RELU_:
-                e.recipe = (batch_norm_relu, *e.recipe[1:])   # two passes where it cannot fuse
+            kept = self._recipe_args(k, args, kwargs, e, set())
+            joined = None if e.then else _joined(e.recipe, func, args, kwargs, kept)
+            if joined is not None:
+                e.recipe = joined
             else:
-                e.then.append((func, *self._recipe_args(k, args, kwargs, e, set())))
+                e.then.append((func, *kept))
 
     def _recipe_args(self, k: int, args, kwargs, own: _Entry | None, scratch: set[int]):
         """``(args, kwargs)`` of op ``k`` as a recompute keeps them. Tensors stay referenced
@@ -1200,6 +1203,27 @@ class PlanRunner:
 
 
 _RELU_ = torch.ops.aten.relu_.default
+_ADD_ = torch.ops.aten.add_.Tensor
+
+
+def _joined(recipe: tuple, func, args, kwargs, kept: tuple) -> tuple | None:
+    """The rebuild ``recipe`` of a batch norm from its statistics with the in-place op that
+    came next joined into its pass (:func:`tensile.fused.batch_norm_act`), or None where it
+    cannot join: ``relu_``, and a residual ``add_`` of a tensor laid out alike before any
+    ReLU. ``kept`` is that op's ``(args, kwargs)`` as a recompute keeps them."""
+    rebuild, bn_args, options, pos = recipe
+    if rebuild is _batch_norm_apply:
+        options = {"residual": None, "relu": False}
+    elif rebuild is not batch_norm_act:
+        return None
+    if func is _RELU_ and not options["relu"]:
+        return (batch_norm_act, bn_args, {**options, "relu": True}, pos)
+    if (func is _ADD_ and options["residual"] is None and not options["relu"] and not kwargs
+            and len(args) == 2 and isinstance(args[1], torch.Tensor) and not isinstance(kept[0][1], _Own)
+            and args[1].shape == args[0].shape and args[1].stride() == args[0].stride()
+            and args[1].dtype == args[0].dtype):
+        return (batch_norm_act, bn_args, {**options, "residual": kept[0][1]}, pos)
+    return None
 
 # Training-mode batch norms: op name -> (position of the ``training`` argument, None where
 # the op always trains; position of ``eps``). Outputs 0-2 of each: the normalised input, the

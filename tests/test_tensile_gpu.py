@@ -460,8 +460,9 @@ def test_batch_norm_from_stats_trains_like_eager_within_rounding_on_gpu(monkeypa
     applied = []
     real = runtime._batch_norm_apply
     monkeypatch.setattr(runtime, "_batch_norm_apply", lambda *a: applied.append(1) or real(*a))
-    fused = runtime.batch_norm_relu      # with the ReLU after it: one Triton kernel
-    monkeypatch.setattr(runtime, "batch_norm_relu", lambda *a: applied.append(2) or fused(*a))
+    fused = runtime.batch_norm_act       # with the add and ReLU after it: one Triton kernel
+    monkeypatch.setattr(runtime, "batch_norm_act",
+                        lambda *a, **kw: applied.append(2) or fused(*a, **kw))
     data = batches(3)
     models = []
     for planned in (False, True):
@@ -489,10 +490,12 @@ def test_a_batch_norm_rebuilt_from_its_statistics_is_priced_below_the_op_on_gpu(
     nodes = [OpNode(k, "aten.cudnn_batch_norm.default", input_shapes=[shape, (256,)],
                     input_dtypes=["torch.float32"], output_shapes=[shape, (256,), (256,), (0,)],
                     reads=[0], writes=[k + 1]) for k in (0, 1)]
-    nodes.append(OpNode(2, "aten.relu_.default", reads=[2], writes=[2]))   # after the second
+    nodes.append(OpNode(2, "aten.add_.Tensor", input_shapes=[shape, shape], reads=[2, 0],
+                        writes=[2]))                       # the second's: out += identity
+    nodes.append(OpNode(3, "aten.relu_.default", input_shapes=[shape], reads=[2], writes=[2]))
     shares = batch_norm_rerun_shares(TaskGraph(nodes=nodes, edges=[]), "cuda")
-    print(f"rebuild / op at {shape}: {shares[0]:.3f}, with the ReLU fused in: {shares[1]:.3f}")
-    assert 0 < shares[0] < 0.9 and 0 < shares[1] < 0.9 and shares[2] == 0, shares
+    print(f"rebuild / op at {shape}: {shares[0]:.3f}, with the add and ReLU fused in: {shares[1]:.3f}")
+    assert 0 < shares[0] < 0.9 and 0 < shares[1] < 1.2 and shares[2] == shares[3] == 0, shares
     torch.manual_seed(0)
     model = make_cuda_resnet(32)
     sched = tensile.Scheduler(model, torch.optim.SGD(model.parameters(), lr=0.1), batches(1)[0],
@@ -500,15 +503,18 @@ def test_a_batch_norm_rebuilt_from_its_statistics_is_priced_below_the_op_on_gpu(
                               batch_norm_from_stats=True)
     names = sched.timeline.names
     assert sched.timeline.rerun_share and all(
-        0 < v <= 1 if "batch_norm" in names[k] else (v == 0 and names[k] == "aten.relu_.default")
+        0 < v <= 1 if "batch_norm" in names[k]
+        else (v == 0 and names[k] in ("aten.relu_.default", "aten.add_.Tensor"))
         for k, v in sched.rerun_share.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("affine", [True, False])
-def test_fused_batch_norm_relu_kernel_is_the_two_passes_to_rounding(dtype, channels_last, affine):
-    from tensile.fused import batch_norm_relu, fused_available
+@pytest.mark.parametrize("residual", [False, True])
+def test_fused_batch_norm_kernel_is_the_separate_passes_to_rounding(dtype, channels_last, affine,
+                                                                     residual):
+    from tensile.fused import batch_norm_act, fused_available
     from tensile.runtime import _batch_norm_apply
     torch.manual_seed(0)
     x = torch.randn(3, 20, 7, 9, device="cuda", dtype=dtype)
@@ -519,9 +525,11 @@ def test_fused_batch_norm_relu_kernel_is_the_two_passes_to_rounding(dtype, chann
     _, mean, invstd, _ = torch.ops.aten._batch_norm_with_update(
         x, w, b, torch.zeros(20, device="cuda", dtype=dtype), torch.ones(20, device="cuda", dtype=dtype),
         0.1, 1e-5)
-    assert fused_available(x)
-    got = batch_norm_relu(x, w, b, mean, invstd, 1e-5)
-    want = _batch_norm_apply(x, w, b, mean, invstd, 1e-5).relu_()
+    res = torch.randn_like(x) if residual else None
+    assert fused_available(x, res)
+    got = batch_norm_act(x, w, b, mean, invstd, 1e-5, residual=res, relu=True)
+    want = _batch_norm_apply(x, w, b, mean, invstd, 1e-5)
+    want = (want.add_(res) if residual else want).relu_()
     assert got.dtype == dtype and got.stride() == x.stride()
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got, want, **tol)

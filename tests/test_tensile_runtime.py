@@ -536,8 +536,9 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     monkeypatch.setattr(runtime, "_batch_norm_apply", counting)
     monkeypatch.setattr(tensile.api, "batch_norm_rerun_shares", lambda *a: {})  # no timing calls
     fused = []
-    real_fused = runtime.batch_norm_relu
-    monkeypatch.setattr(runtime, "batch_norm_relu", lambda *a: fused.append(1) or real_fused(*a))
+    real_fused = runtime.batch_norm_act
+    monkeypatch.setattr(runtime, "batch_norm_act",
+                        lambda *a, **kw: fused.append(tuple(kw.items())) or real_fused(*a, **kw))
     steps = 5
     # statistics too small to plan (as on a GPU, where nothing under 64 KiB moves): a plan
     # that moved them would rerun the op instead (the recipe holds them by reference)
@@ -548,12 +549,19 @@ def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(mo
     bn_sids = {r.sid for r in bn}
     again = sum(len(set(r.transient) & bn_sids) for r in sched.plan.recomputes)
     assert bn and len(applied) == steps * (len(bn) + again)
-    # a rebuild with the ReLU(inplace=True) after it takes that ReLU along (one kernel on CUDA)
-    with_relu = {r.sid for r in bn if [sched.timeline.names[k] for k in r.then_ops] == ["aten.relu_.default"]}
+    # a rebuild takes the residual add_ and the ReLU(inplace=True) after it along (one kernel
+    # on CUDA): every batch norm of this net has one or both
+    names = sched.timeline.names
+    joined = {r.sid: [names[k] for k in r.then_ops] for r in bn}
+    assert {tuple(v) for v in joined.values()} <= {("aten.relu_.default",),
+                                                   ("aten.add_.Tensor", "aten.relu_.default")}
+    assert ("aten.add_.Tensor", "aten.relu_.default") in {tuple(v) for v in joined.values()}
+    assert len(fused) == len(applied)              # each rebuild went through the fused path
+    residual = sum(1 for kw in fused if dict(kw)["residual"] is not None)
+    assert residual == steps * sum(1 for r in bn if len(joined[r.sid]) == 2) + steps * sum(
+        1 for r in sched.plan.recomputes for s in r.transient if s in joined and len(joined[s]) == 2)
     by_op = sched.report().plan_figures()["recomputes_by_op"]    # what the rows carry
     assert sum(by_op.values()) == len(sched.plan.recomputes) and by_op["native_batch_norm"] == len(bn)
-    assert with_relu and len(fused) == steps * (len(with_relu) + sum(
-        len(set(r.transient) & with_relu) for r in sched.plan.recomputes))
     assert sched.report().recomputes == steps * len(sched.plan.recomputes)
     for a, b in zip(*states):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -581,9 +589,9 @@ def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(m
     measured = []
     real = optimes._apply_share
 
-    def counting(shape, dtype, with_relu, *args):
-        measured.append((shape, with_relu))
-        return real(shape, dtype, with_relu, *args)
+    def counting(shape, dtype, joined, *args):
+        measured.append((shape, joined))
+        return real(shape, dtype, joined, *args)
     monkeypatch.setattr(optimes, "_apply_share", counting)
     shares = optimes.batch_norm_rerun_shares(rec.graph, "cpu")
     relu_ = [n.index for n in rec.graph.nodes if n.name == "aten.relu_.default"]
@@ -591,7 +599,7 @@ def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(m
     assert sorted(shares) == sorted(bn[:3] + relu_) and len(bn) == 4   # eval-mode one left out
     assert shares[relu_[0]] == 0.0 and all(shares[k] > 0 for k in bn[:3])
     # three kinds, each once: the first rebuild takes its ReLU along, the second does not
-    assert sorted(measured) == [((4, 4, 8, 8), False), ((4, 4, 8, 8), True), ((4, 8, 4, 4), False)]
+    assert sorted(measured) == [((4, 4, 8, 8), ()), ((4, 4, 8, 8), ("relu_",)), ((4, 8, 4, 4), ())]
 
     net = make_resnet()
     sched = tensile.Scheduler(net, torch.optim.SGD(net.parameters(), lr=0.1), batches(1)[0],
@@ -599,24 +607,29 @@ def test_batch_norm_rerun_shares_price_each_training_batch_norm_once_per_shape(m
                               replan=False, batch_norm_from_stats=True)
     tl = sched.timeline
     assert tl.rerun_share == sched.rerun_share and tl.rerun_share
+    in_place = {"aten.relu_.default", "aten.add_.Tensor"}     # joined into a rebuild: free
     assert all(tl.phases[k] == "forward" and ("batch_norm" in tl.names[k] or
-                                              (tl.names[k] == "aten.relu_.default" and v == 0))
+                                              (tl.names[k] in in_place and v == 0))
                for k, v in tl.rerun_share.items())
+    assert "aten.add_.Tensor" in {tl.names[k] for k in tl.rerun_share}   # the residual's
     share = sched.report().plan_figures()["bn_rerun_share_median"]   # what the rows carry
     assert share == statistics.median(v for k, v in tl.rerun_share.items() if "batch_norm" in tl.names[k])
 
 
-def test_batch_norm_relu_without_its_kernel_is_the_two_passes():
-    """On the CPU (no Triton) the fused rebuild is the rebuild and then ReLU, exactly."""
-    from tensile.fused import batch_norm_relu, fused_available
+def test_batch_norm_act_without_its_kernel_is_the_separate_passes():
+    """On the CPU (no Triton) the fused rebuild is the rebuild, then the add, then ReLU, exactly."""
+    from tensile.fused import batch_norm_act, fused_available
     from tensile.runtime import _batch_norm_apply
     torch.manual_seed(0)
-    x, w, b = torch.randn(4, 6, 5, 5), torch.rand(6) + 0.5, torch.randn(6)
+    x, w, b, res = torch.randn(4, 6, 5, 5), torch.rand(6) + 0.5, torch.randn(6), torch.randn(4, 6, 5, 5)
     _, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, torch.zeros(6), torch.ones(6),
                                                        True, 0.1, 1e-5)
     assert not fused_available(x)
-    assert torch.equal(batch_norm_relu(x, w, b, mean, invstd, 1e-5),
-                       _batch_norm_apply(x, w, b, mean, invstd, 1e-5).relu_())
+    bn = _batch_norm_apply(x, w, b, mean, invstd, 1e-5)
+    assert torch.equal(batch_norm_act(x, w, b, mean, invstd, 1e-5), bn)
+    assert torch.equal(batch_norm_act(x, w, b, mean, invstd, 1e-5, relu=True), bn.relu())
+    assert torch.equal(batch_norm_act(x, w, b, mean, invstd, 1e-5, residual=res, relu=True),
+                       (bn + res).relu_())
 
 
 @pytest.mark.parametrize("affine", [True, False])
