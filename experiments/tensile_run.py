@@ -380,27 +380,52 @@ def _release(device: str) -> None:
 
 
 def match_budget(target_mb: float, captured_peak_mb: Callable[[int], tuple[float, bool]],
-                 attempts: int = 4) -> tuple[int, list[dict]]:
-    """The budget (bytes) under which TENSILE's captured step peaks at most ``target_mb``.
+                 attempts: int = 5) -> tuple[int, list[dict]]:
+    """The budget (bytes) under which TENSILE's captured step peaks at most ``target_mb``,
+    as close under it as ``attempts`` tries find.
 
     The planner counts tensor bytes; a captured step also holds the allocator's rounding and
-    library workspaces, so the same budget peaks 10-70 MB higher on an H200. Starting from
-    the target, each try that peaks above it lowers the budget by the excess plus 0.5 % of the
-    target. ``captured_peak_mb(budget)`` plans and captures under ``budget`` and returns
-    (peak MB, plan feasible). Stops at the first try within the target, at an infeasible plan
-    (a lower budget cannot help), or after ``attempts``; returns the last budget and every
-    try (``budget_mb``, ``peak_mb``, ``feasible``): the caller checks the measured peak.
+    library workspaces, so the same budget peaks 10-70 MB higher on an H200, by an amount
+    that changes with the plan. Starting from the target, each try that peaks above it
+    lowers the budget by the excess plus 0.5 % of the target (never to or above a budget
+    that fitted). A try that fits with more than 1 % of the target to spare raises the
+    budget by the spare less 0.5 % (never to or above a budget that peaked above): memory
+    left unused is recomputation paid for nothing. ``captured_peak_mb(budget)`` plans and
+    captures under ``budget`` and returns (peak MB, plan feasible). Stops when the next
+    budget would bring nothing new, at an infeasible plan (a lower budget cannot help), or
+    after ``attempts``. Returns the highest budget that fitted (else the last one tried)
+    and every try (``budget_mb``, ``peak_mb``, ``feasible``): the caller checks the
+    measured peak.
     """
     budget, tries = int(target_mb * MB), []
+    fitted, over = None, None          # highest budget within the target, lowest above it
+    tried = budget
     for _ in range(attempts):
+        tried = budget
         peak_mb, feasible = captured_peak_mb(budget)
         tries.append({"budget_mb": round(budget / MB, 1), "peak_mb": round(peak_mb, 1),
                       "feasible": bool(feasible)})
-        lower = budget - int((peak_mb - target_mb + 0.005 * target_mb) * MB)
-        if peak_mb <= target_mb or not feasible or lower <= 0 or len(tries) == attempts:
+        if not feasible:
             break
-        budget = lower
-    return budget, tries
+        margin = 0.005 * target_mb
+        if peak_mb <= target_mb:
+            fitted = max(fitted or 0, budget)
+            spare = target_mb - peak_mb
+            if spare <= 2 * margin:
+                break
+            nxt = budget + int((spare - margin) * MB)
+            if over is not None:
+                nxt = min(nxt, (budget + over) // 2)
+        else:
+            over = budget if over is None else min(over, budget)
+            nxt = budget - int((peak_mb - target_mb + margin) * MB)
+            if fitted is not None:
+                nxt = max(nxt, (budget + fitted) // 2)
+        if nxt <= 0 or nxt == budget or (fitted is not None and nxt <= fitted) \
+                or (over is not None and nxt >= over):
+            break
+        budget = nxt
+    return (fitted if fitted is not None else tried), tries
 
 
 def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],

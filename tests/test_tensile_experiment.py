@@ -367,6 +367,24 @@ def test_match_budget_lowers_the_budget_by_the_overshoot_until_the_peak_fits():
     assert len(tries) == 3 and budget == tries[-1]["budget_mb"] * MB
 
 
+def test_match_budget_takes_back_memory_a_fitting_try_left_unused():
+    """A plan that fits with room to spare recomputes for nothing: the search raises the
+    budget again, never to one that peaked above, and keeps the highest that fitted."""
+    def captured(budget):          # a plan's own excess: 70 MB above a 900 MB budget, else 25
+        b = budget / MB
+        return b + (70 if b > 900 else 25), True
+
+    budget, tries = tensile_run.match_budget(953.4, captured)
+    fits = [t for t in tries if t["peak_mb"] <= 953.4]
+    assert budget / MB == pytest.approx(max(t["budget_mb"] for t in fits), abs=0.1)
+    assert len(tries) == 5 and tries[1]["peak_mb"] <= 953.4 < tries[2]["peak_mb"]
+    assert tries[2]["budget_mb"] > tries[1]["budget_mb"]          # raised after a fit...
+    over = min(t["budget_mb"] for t in tries if t["peak_mb"] > 953.4)
+    assert all(t["budget_mb"] < over for t in tries if t["budget_mb"] != tries[0]["budget_mb"]
+               and t["peak_mb"] <= 953.4)                          # ...never past an overshoot
+    assert captured(budget)[0] > 953.4 - 40   # 31 MB left, not the first fit's 49
+
+
 def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
                     "experiment.activation_memory_budget=0.3"]).experiment
