@@ -28,6 +28,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -428,48 +429,22 @@ def match_budget(target_mb: float, captured_peak_mb: Callable[[int], tuple[float
     return (fitted if fitted is not None else tried), tries
 
 
-def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],
-                       batch: tuple, exp, device: str, opts: dict) -> dict:
-    """tensile_graph's budget at the peak ``target`` measured earlier in this job
-    (``experiment.match_peak``), found by planning and capturing (:func:`match_budget`),
-    with what the row keeps of the search."""
-    if target not in peaks:
-        raise ValueError(f"match_peak={target!r}: {target} has no measured peak in this job "
-                         f"(it failed or did not run): nothing to plan tensile_graph to")
-    target_mb = peaks[target]
-
-    def captured_peak_mb(budget: int) -> tuple[float, bool]:
-        _release(device)
-        resident_mb = torch.cuda.memory_allocated() / MB
-        model = build()
-        opt = _optimizer(model, exp, capturable=True)
-        step = make_method("tensile_graph", model, opt, classification_loss, batch,
-                           **{**opts, "budget": budget})
-        step(batch)   # one replay: the stats read its copies' timings (none before it)
-        stats = step.stats()
-        return stats["graph_peak_mb"] - resident_mb, stats.get("plan_feasible", True)
-
-    budget, tries = match_budget(target_mb, captured_peak_mb)
-    _release(device)   # the last try's graph and model: not in the measured method's memory
-    return {"budget": budget, "match_peak": target, "match_target_mb": target_mb,
-            "match_tries": tries}
+@dataclass
+class _Built:
+    """A method built for one job: what :func:`measure_method` times, with what was
+    allocated (and reserved) before it existed, which its peaks are counted above."""
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    step: Callable
+    prepare_s: float
+    resident_mb: float
+    resident_reserved_mb: float
 
 
-def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
-                   device: str, warmup: int, iters: int, repeats: int, opts: dict,
-                   fraction: float | None = None, cap_setup: bool = True,
-                   trace_path: Path | None = None) -> dict:
-    """Build, warm up and time one method; returns the row's measured fields.
-
-    ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
-    the training steps (after ``make_method``: TENSILE's recording step, for one, runs a
-    vanilla step). ``trace_path``: also write a torch.profiler trace of three steps there,
-    after the timed ones (where a method's extra time goes). Raises what the method raises
-    (the caller turns it into an error row).
-    """
+def _build_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
+                  device: str, opts: dict) -> _Built:
+    """Build the model and ``make_method`` it, timing the preparation."""
     cuda = device == "cuda"
-    if fraction is not None and cap_setup:
-        torch.cuda.set_per_process_memory_fraction(fraction)
     # What is allocated before the model exists (the batch, anything an earlier job of this
     # process left behind) is not the method's: peaks are counted above it.
     resident_mb = torch.cuda.memory_allocated() / MB if cuda else 0.0
@@ -478,7 +453,65 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     opt = _optimizer(model, exp, capturable=name in GRAPHED)
     t0 = time.perf_counter()
     step = make_method(name, model, opt, classification_loss, batch, **opts)
-    prepare_s = time.perf_counter() - t0
+    return _Built(model, opt, step, time.perf_counter() - t0, resident_mb, resident_reserved_mb)
+
+
+def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],
+                       batch: tuple, exp, device: str, opts: dict) -> tuple[dict, _Built | None]:
+    """tensile_graph's budget at the peak ``target`` measured earlier in this job
+    (``experiment.match_peak``), found by planning and capturing (:func:`match_budget`),
+    with what the row keeps of the search, and the captured step of the try at that budget
+    if it fitted (None if none did): the row measures that graph itself, since planning
+    again at the same budget may plan differently (the op times are measured anew) and
+    peak tens of MB off. That try stays alive while later ones run."""
+    if target not in peaks:
+        raise ValueError(f"match_peak={target!r}: {target} has no measured peak in this job "
+                         f"(it failed or did not run): nothing to plan tensile_graph to")
+    target_mb = peaks[target]
+    fitted: dict[int, _Built] = {}     # the best try so far that fitted, by its budget
+
+    def captured_peak_mb(budget: int) -> tuple[float, bool]:
+        _release(device)
+        built = _build_method("tensile_graph", build, batch, exp, device, {**opts, "budget": budget})
+        built.step(batch)   # one replay: the stats read its copies' timings (none before it)
+        stats = built.step.stats()
+        peak_mb = stats["graph_peak_mb"] - built.resident_mb
+        if peak_mb <= target_mb and budget > max(fitted, default=-1):
+            fitted.clear()
+            fitted[budget] = built
+        return peak_mb, stats.get("plan_feasible", True)
+
+    budget, tries = match_budget(target_mb, captured_peak_mb)
+    kept = fitted.get(budget)
+    _release(device)   # the other tries' graphs and models: not in the measured method's memory
+    return ({"budget": budget, "match_peak": target, "match_target_mb": target_mb,
+             "match_tries": tries}, kept)
+
+
+def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
+                   device: str, warmup: int, iters: int, repeats: int, opts: dict,
+                   fraction: float | None = None, cap_setup: bool = True,
+                   trace_path: Path | None = None, built: _Built | None = None) -> dict:
+    """Build, warm up and time one method; returns the row's measured fields.
+
+    ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
+    the training steps (after ``make_method``: TENSILE's recording step, for one, runs a
+    vanilla step). ``trace_path``: also write a torch.profiler trace of three steps there,
+    after the timed ones (where a method's extra time goes). ``built``: time this method,
+    built already (the try ``experiment.match_peak`` found), instead of building it; a cap
+    then holds from the training steps on. Raises what the method raises (the caller turns
+    it into an error row).
+    """
+    cuda = device == "cuda"
+    if built is None:
+        if fraction is not None and cap_setup:
+            torch.cuda.set_per_process_memory_fraction(fraction)
+        built = _build_method(name, build, batch, exp, device, opts)
+    else:
+        cap_setup = False
+    step, prepare_s, resident_mb = built.step, built.prepare_s, built.resident_mb
+    resident_reserved_mb = built.resident_reserved_mb
+    del built                       # the step holds model and optimizer
     if fraction is not None and not cap_setup:
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(fraction)
@@ -712,20 +745,22 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
         _release(device)
         opts: dict = {}
         matched: dict = {}
+        found: _Built | None = None     # match_peak's try, measured as it is
         try:
             opts = _method_opts(name, exp, device, fraction, tensile_peak, rates)
             if name == "tensile_graph" and match_peak:
-                matched = _match_peak_budget(match_peak, peaks, build, batch, exp, device, opts)
+                matched, found = _match_peak_budget(match_peak, peaks, build, batch, exp, device, opts)
                 opts["budget"] = matched["budget"]
             trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
                      if cfg.get("trace") else None)
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
-                                    fraction, bool(exp.cap_setup), trace)
+                                    fraction, bool(exp.cap_setup), trace, found)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, never a crash
             if not isinstance(exc, torch.OutOfMemoryError):
                 log.exception("%s on %s failed", name, cfg.model.name)
             fields = _error_fields(exc, fraction)
         finally:
+            found = None
             if fraction is not None:  # uncapped between methods (and for later jobs of a worker)
                 torch.cuda.set_per_process_memory_fraction(1.0)
         _release(device)  # after the except block: the traceback held the method's tensors
