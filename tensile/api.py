@@ -249,12 +249,11 @@ class Scheduler:
     of rerunning the op (a statistics pass more), together with the residual add and
     ``ReLU(inplace=True)`` that overwrote it (:mod:`tensile.fused`). The planner prices such
     a recompute at the share of the op's time that the rebuild took when measured here on a
-    tensor of its shape (``rerun_share``; not sent to a scheduler process, which prices it
-    at the whole op). Faster (H200, b=16, captured, at checkpointing's peak, against
-    checkpointing: ResNet-50 1.167x -> 1.184x, Inception-v4 1.103x -> 1.180x, DenseNet-121
-    1.046x -> 1.095x), but equal to rounding only: a ReLU after it may then pass a gradient
-    the exact rerun stops, so training matches vanilla within tolerance instead of bit for
-    bit.
+    tensor of its shape (``rerun_share``, sent to a scheduler process too). Faster (H200,
+    b=16, captured, at checkpointing's peak, against checkpointing: ResNet-50 1.167x ->
+    1.184x, Inception-v4 1.103x -> 1.180x, DenseNet-121 1.046x -> 1.095x), but equal to
+    rounding only: a ReLU after it may then pass a gradient the exact rerun stops, so
+    training matches vanilla within tolerance instead of bit for bit.
 
     ``scheduler_socket``: plan jointly with the other jobs of the GPU through the
     scheduler process listening there (``python -m tensile.server --socket PATH``)

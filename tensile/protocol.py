@@ -306,6 +306,7 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
                      "held_to_end": bool(t.held_to_end)}
                     for t in tl.tensors.values()],
         "transfers": [[op, direction, nbytes] for op, direction, nbytes in tl.transfers],
+        "rerun_share": [[op, share] for op, share in tl.rerun_share.items()],
     }
 
 
@@ -315,9 +316,9 @@ _TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
     """Rebuild a timeline sent by :func:`timeline_to_wire`; :class:`ProtocolError` if malformed."""
     keys = {"names", "phases", "random", "reads", "writes", "tensors"}
-    if not isinstance(data, dict) or not keys <= set(data) <= keys | {"transfers"}:
+    if not isinstance(data, dict) or not keys <= set(data) <= keys | {"transfers", "rerun_share"}:
         _fail("timeline", "an object with names, phases, random, reads, writes, tensors "
-              "(and optionally transfers)", sorted(data) if isinstance(data, dict) else data)
+              "(and optionally transfers, rerun_share)", sorted(data) if isinstance(data, dict) else data)
     n = len(op_ms)
     for key in ("names", "phases", "random", "reads", "writes"):
         if not isinstance(data[key], list) or len(data[key]) != n:
@@ -358,6 +359,10 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             needed_by[sid] = t["needed_by"]
     if not isinstance(data.get("transfers", []), list):
         _fail("timeline.transfers", "a list of [op, 'h2d' or 'd2h', bytes]", data["transfers"])
+    shares = data.get("rerun_share", [])
+    if not (isinstance(shares, list)
+            and all(isinstance(e, list) and len(e) == 2 and _is_int(e[0]) for e in shares)):
+        _fail("timeline.rerun_share", "a list of [op, share of its time]", shares)
     touched = {s for key in ("reads", "writes") for ops in data[key] for s in ops}
     if touched != set(sizes):
         raise ProtocolError(
@@ -371,7 +376,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             needed_by={s: v for s, v in needed_by.items() if roles[s] != "activation"},
             random_ops=[k for k in range(n) if data["random"][k]],
             held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
-            transfers=data.get("transfers", []))   # entries checked by the timeline
+            transfers=data.get("transfers", []),   # entries checked by the timeline
+            rerun_share={op: share for op, share in shares})
     except ValueError as e:
         raise ProtocolError(f"timeline: {e}") from None
     return tl

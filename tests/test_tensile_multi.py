@@ -159,6 +159,22 @@ def test_recompute_goes_to_the_lower_weight_first():
     assert not jp.plans["a"].swaps and not jp.plans["b"].swaps
 
 
+def test_joint_plan_prices_reruns_at_a_jobs_rerun_shares():
+    """A job's rerun shares (batch norms rebuilt from statistics) price its recomputes in the
+    joint plan as they do in a local one."""
+    def plans(share):
+        tl = job_timeline()
+        tl = AccessTimeline(tl.names, tl.phases, tl.op_ms, tl.random, tl.reads, tl.writes,
+                            tl.tensors, rerun_share={k: share for k in range(tl.num_ops)})
+        jobs = [JobSpec("a", tl, weight=1.0), JobSpec("b", job_timeline(), weight=2.0)]
+        jp = plan_jobs(jobs, budget_bytes=2 * 33 * MB - 8 * MB, d2h_bw=1e6, h2d_bw=1e6)
+        check_joint(jobs, jp)
+        return {r.sid: r.cost_ms for r in jp.plans["a"].recomputes}
+    whole, half = plans(1.0), plans(0.5)
+    assert whole and whole.keys() == half.keys()
+    assert all(half[s] == pytest.approx(whole[s] / 2) for s in whole)
+
+
 # --------------------------------------------------------------------------- errors
 def test_bad_jobs_are_refused():
     tl = job_timeline()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -183,6 +184,13 @@ def test_timeline_round_trip():
     wire = timeline_to_wire(tl)
     del wire["transfers"]
     assert timeline_from_wire(wire, list(tl.op_ms)).transfers == ()
+    # so do the shares of an op's time its rerun costs (batch norms rebuilt from statistics)
+    priced = AccessTimeline(tl.names, tl.phases, tl.op_ms, tl.random, tl.reads, tl.writes,
+                            tl.tensors, rerun_share={1: 0.7, 2: 0.0})
+    back = timeline_from_wire(json.loads(json.dumps(timeline_to_wire(priced))), list(tl.op_ms))
+    assert back.rerun_share == {1: 0.7, 2: 0.0}
+    del wire["rerun_share"]
+    assert timeline_from_wire(wire, list(tl.op_ms)).rerun_share == {}
 
 
 @pytest.mark.parametrize("change, match", [
@@ -200,6 +208,10 @@ def test_timeline_round_trip():
     (lambda w: w.__setitem__("transfers", 3), r"timeline.transfers: expected a list of \[op"),
     (lambda w: w.__setitem__("transfers", [[0, "sideways", 8]]), r"transfers\[0\]: expected \(op index"),
     (lambda w: w.__setitem__("transfers", [[99, "h2d", 8]]), r"transfers\[0\]: expected \(op index"),
+    (lambda w: w.__setitem__("rerun_share", {"1": 0.5}), r"timeline.rerun_share: expected a list"),
+    (lambda w: w.__setitem__("rerun_share", [[[1], 0.5]]), r"timeline.rerun_share: expected a list"),
+    (lambda w: w.__setitem__("rerun_share", [[1, -0.5]]), r"rerun_share: expected op index"),
+    (lambda w: w.__setitem__("rerun_share", [[99, 0.5]]), r"rerun_share: expected op index"),
 ])
 def test_malformed_timelines_are_refused(change, match):
     tl = job_timeline()
