@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble.capture import _event_gap_ms
-
 from nimble.graph import OpNode, TaskGraph
 
 from .fused import batch_norm_act
@@ -178,7 +177,8 @@ def _joined_after(graph: TaskGraph, node: OpNode) -> list[tuple[int, str]]:
             continue
         name = base_name(later.name)
         alone = set(later.writes) <= out
-        if name == "add_" and not joined and alone and later.input_shapes[:2] == [node.input_shapes[0]] * 2:
+        same_shape = later.input_shapes[:2] == [node.input_shapes[0]] * 2
+        if name == "add_" and not joined and alone and same_shape:
             joined.append((later.index, name))
             continue
         if name == "relu_" and alone:

@@ -1219,11 +1219,13 @@ def _joined(recipe: tuple, func, args, kwargs, kept: tuple) -> tuple | None:
     if func is _RELU_ and not options["relu"]:
         return (batch_norm_act, bn_args, {**options, "relu": True}, pos)
     if (func is _ADD_ and options["residual"] is None and not options["relu"] and not kwargs
-            and len(args) == 2 and isinstance(args[1], torch.Tensor) and not isinstance(kept[0][1], _Own)
+            and len(args) == 2 and isinstance(args[1], torch.Tensor)
+            and not isinstance(kept[0][1], _Own)          # out += out: nothing to read yet
             and args[1].shape == args[0].shape and args[1].stride() == args[0].stride()
             and args[1].dtype == args[0].dtype):
         return (batch_norm_act, bn_args, {**options, "residual": kept[0][1]}, pos)
     return None
+
 
 # Training-mode batch norms: op name -> (position of the ``training`` argument, None where
 # the op always trains; position of ``eps``). Outputs 0-2 of each: the normalised input, the

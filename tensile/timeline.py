@@ -104,9 +104,9 @@ class AccessTimeline:
     transfers: tuple[tuple[int, str, int], ...] = ()
     # what rerunning op k for a recompute costs, as a share of op_ms[k], where it is not
     # all of it: a training-mode batch norm rebuilt from the batch statistics it returned
-    # reruns only its elementwise half, and the ReLU(inplace=True) after it joins that pass
-    # (share 0) (``tensile.Scheduler(..., batch_norm_from_stats=True)``). A share, not ms, so
-    # that it holds when op times are measured again or stretched.
+    # reruns only its elementwise half, and the residual add and ReLU(inplace=True) after it
+    # join that pass (share 0) (``tensile.Scheduler(..., batch_norm_from_stats=True)``). A
+    # share, not ms, so that it holds when op times are measured again or stretched.
     rerun_share: Mapping[int, float] = field(default_factory=dict)
     start: np.ndarray = field(init=False, repr=False)
     end: np.ndarray = field(init=False, repr=False)
