@@ -400,9 +400,7 @@ def match_budget(target_mb: float, captured_peak_mb: Callable[[int], tuple[float
     """
     budget, tries = int(target_mb * MB), []
     fitted, over = None, None          # highest budget within the target, lowest above it
-    tried = budget
     for _ in range(attempts):
-        tried = budget
         peak_mb, feasible = captured_peak_mb(budget)
         tries.append({"budget_mb": round(budget / MB, 1), "peak_mb": round(peak_mb, 1),
                       "feasible": bool(feasible)})
@@ -423,18 +421,17 @@ def match_budget(target_mb: float, captured_peak_mb: Callable[[int], tuple[float
             if fitted is not None:
                 nxt = max(nxt, (budget + fitted) // 2)
         if nxt <= 0 or nxt == budget or (fitted is not None and nxt <= fitted) \
-                or (over is not None and nxt >= over):
+                or (over is not None and nxt >= over) or len(tries) == attempts:
             break
         budget = nxt
-    return (fitted if fitted is not None else tried), tries
+    return (fitted if fitted is not None else budget), tries
 
 
 @dataclass
 class _Built:
-    """A method built for one job: what :func:`measure_method` times, with what was
-    allocated (and reserved) before it existed, which its peaks are counted above."""
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
+    """A method built for one job (its step holds model and optimizer): what
+    :func:`measure_method` times, with what was allocated (and reserved) before it existed,
+    which its peaks are counted above."""
     step: Callable
     prepare_s: float
     resident_mb: float
@@ -453,7 +450,7 @@ def _build_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple,
     opt = _optimizer(model, exp, capturable=name in GRAPHED)
     t0 = time.perf_counter()
     step = make_method(name, model, opt, classification_loss, batch, **opts)
-    return _Built(model, opt, step, time.perf_counter() - t0, resident_mb, resident_reserved_mb)
+    return _Built(step, time.perf_counter() - t0, resident_mb, resident_reserved_mb)
 
 
 def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],
@@ -468,21 +465,22 @@ def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[],
         raise ValueError(f"match_peak={target!r}: {target} has no measured peak in this job "
                          f"(it failed or did not run): nothing to plan tensile_graph to")
     target_mb = peaks[target]
-    fitted: dict[int, _Built] = {}     # the best try so far that fitted, by its budget
+    best: tuple[int, _Built] | None = None     # the try of the highest budget that fitted
 
     def captured_peak_mb(budget: int) -> tuple[float, bool]:
+        nonlocal best
         _release(device)
         built = _build_method("tensile_graph", build, batch, exp, device, {**opts, "budget": budget})
         built.step(batch)   # one replay: the stats read its copies' timings (none before it)
         stats = built.step.stats()
         peak_mb = stats["graph_peak_mb"] - built.resident_mb
-        if peak_mb <= target_mb and budget > max(fitted, default=-1):
-            fitted.clear()
-            fitted[budget] = built
+        if peak_mb <= target_mb and (best is None or budget > best[0]):
+            best = (budget, built)
         return peak_mb, stats.get("plan_feasible", True)
 
     budget, tries = match_budget(target_mb, captured_peak_mb)
-    kept = fitted.get(budget)
+    kept = best[1] if best is not None and best[0] == budget else None
+    best = None
     _release(device)   # the other tries' graphs and models: not in the measured method's memory
     return ({"budget": budget, "match_peak": target, "match_target_mb": target_mb,
              "match_tries": tries}, kept)

@@ -335,11 +335,11 @@ class Scheduler:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the measurement's buffers would skew memory readings
         self.d2h_bw, self.h2d_bw = float(d2h_bw), float(h2d_bw)
-        # the roofline estimates: the cold start's op times (and capture's fallback)
         # what rebuilding each batch norm from its statistics costs beside the op: the
         # planner prices those recomputes with it (measured here, on tensors of their shapes)
         self.rerun_share = (batch_norm_rerun_shares(self.recording.graph, self.device)
                             if batch_norm_from_stats else {})
+        # the roofline estimates: the cold start's op times (and capture's fallback)
         self.estimated_op_ms = estimate_op_times(self.recording.graph, peak_flops, peak_bytes_per_s)
         self.times = OpTimeModel(self.estimated_op_ms)
         self.captured_vanilla_ms: float | None = None   # see capture()

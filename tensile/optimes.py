@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nimble.capture import _event_gap_ms
+from nimble.capture import _event_gap_ms, replay_ms
 from nimble.graph import OpNode, TaskGraph
 
 from .fused import batch_norm_act
@@ -215,7 +215,8 @@ def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, joined: tuple[str, 
 
 
 def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
-    """GPU time of one call of ``fn``: a CUDA graph of ``repeats`` calls, best of 3 replays."""
+    """GPU time of one call of ``fn``: a CUDA graph of ``repeats`` calls, replayed
+    (:func:`nimble.capture.replay_ms`)."""
     side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -225,17 +226,9 @@ def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
     with torch.cuda.graph(graph, stream=side):
         for _ in range(repeats):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / repeats)
+    ms = replay_ms(graph, 3) / repeats
     del graph
-    return best
+    return ms
 
 
 def _wall_ms(fn: Callable[[], object], repeats: int) -> float:

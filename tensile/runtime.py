@@ -1208,9 +1208,10 @@ _ADD_ = torch.ops.aten.add_.Tensor
 
 def _joined(recipe: tuple, func, args, kwargs, kept: tuple) -> tuple | None:
     """The rebuild ``recipe`` of a batch norm from its statistics with the in-place op that
-    came next joined into its pass (:func:`tensile.fused.batch_norm_act`), or None where it
-    cannot join: ``relu_``, and a residual ``add_`` of a tensor laid out alike before any
-    ReLU. ``kept`` is that op's ``(args, kwargs)`` as a recompute keeps them."""
+    came next joined into it (:func:`tensile.fused.batch_norm_act`, one pass where the
+    tensors are laid out alike, else the same ops in turn), or None where it cannot join:
+    ``relu_``, and a residual ``add_`` of another tensor before any ReLU. ``kept`` is that
+    op's ``(args, kwargs)`` as a recompute keeps them."""
     rebuild, bn_args, options, pos = recipe
     if rebuild is _batch_norm_apply:
         options = {"residual": None, "relu": False}
@@ -1220,9 +1221,7 @@ def _joined(recipe: tuple, func, args, kwargs, kept: tuple) -> tuple | None:
         return (batch_norm_act, bn_args, {**options, "relu": True}, pos)
     if (func is _ADD_ and options["residual"] is None and not options["relu"] and not kwargs
             and len(args) == 2 and isinstance(args[1], torch.Tensor)
-            and not isinstance(kept[0][1], _Own)          # out += out: nothing to read yet
-            and args[1].shape == args[0].shape and args[1].stride() == args[0].stride()
-            and args[1].dtype == args[0].dtype):
+            and not isinstance(kept[0][1], _Own)):        # out += out: nothing to read yet
         return (batch_norm_act, bn_args, {**options, "residual": kept[0][1]}, pos)
     return None
 
