@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
-from omegaconf import ListConfig
+from omegaconf import ListConfig, OmegaConf
 
 from experiments.run import ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
@@ -52,6 +53,9 @@ from tensile.scale import valid_record_batches
 from tensile.streamed import DEFAULT_PREFETCH
 
 log = logging.getLogger(__name__)
+
+# the TENSILE authors' single-job figures (experiment.match_msr=paper)
+PAPER_SINGLE = Path(__file__).resolve().parents[1] / "results" / "paper" / "tensile_single_b16.csv"
 
 __all__ = ["validate", "protocol", "setting", "method_label", "derived_metrics",
            "classification_loss", "measure_method", "machine_rates", "run", "EMULATED_HEADROOM"]
@@ -90,6 +94,7 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError("method streamed_graph streams the optimizer: set "
                           "experiment.stream_optimizer to a number of groups (16, say)")
     _check_match_peak(exp, methods)
+    _check_match_msr(exp, methods, cfg.model.name, cfg.batch_size)
     if exp.optimizer not in OPTIMIZERS:
         raise ConfigError(f"experiment.optimizer={exp.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
     warmup, iters, repeats = protocol(cfg)
@@ -188,6 +193,52 @@ def _check_match_peak(exp, methods: list[str]) -> None:
                           f"budget (match_peak={target!r} sets one): leave it 0")
 
 
+def paper_msr(model: str, batch_size: int) -> float | None:
+    """The TENSILE authors' single-job MSR for ``model`` at ``batch_size``
+    (``results/paper/tensile_single_b16.csv``), or None where they give none."""
+    table = pd.read_csv(PAPER_SINGLE)
+    hit = table[(table["model"] == model) & (table["batch_size"] == batch_size)]
+    return float(hit["msr"].iloc[0]) if len(hit) else None
+
+
+def target_msr(exp, model: str, batch_size: int) -> float | None:
+    """``experiment.match_msr`` as a number: ``paper`` becomes the authors' MSR for this
+    model and batch. None when unset."""
+    m = exp.get("match_msr")
+    if m is None:
+        return None
+    if m == "paper":
+        found = paper_msr(model, batch_size)
+        if found is None:
+            table = pd.read_csv(PAPER_SINGLE)
+            have = ", ".join(f"{r.model} at batch {r.batch_size}" for r in table.itertuples())
+            raise ConfigError(f"experiment.match_msr=paper: the TENSILE authors give no MSR for "
+                              f"{model} at batch {batch_size} (they give {have}); give a number")
+        return found
+    return float(m)
+
+
+def _check_match_msr(exp, methods: list[str], model: str, batch_size: int) -> None:
+    m = exp.get("match_msr")
+    if m is None:
+        return
+    if m != "paper" and (not isinstance(m, (int, float)) or isinstance(m, bool) or not 0 < m < 1):
+        raise ConfigError(f"experiment.match_msr must be null, a memory saving in (0, 1) or "
+                          f"'paper' (the authors' figure for this model and batch); got {m!r}")
+    if exp.get("match_peak") is not None:
+        raise ConfigError(f"experiment.match_msr={m!r} and match_peak={exp.match_peak!r} both set "
+                          f"tensile_graph's target peak: give one")
+    if "tensile_graph" not in methods or "vanilla" not in methods:
+        raise ConfigError(f"experiment.match_msr={m!r} plans tensile_graph to a saving against "
+                          f"vanilla's peak: experiment.methods needs vanilla and tensile_graph "
+                          f"(got {methods})")
+    if exp.budget is not None or exp.get("max_overhead", 0.0):
+        raise ConfigError(f"experiment.match_msr={m!r} sets tensile_graph's budget: leave "
+                          f"experiment.budget null and max_overhead 0 (got {exp.budget!r}, "
+                          f"{exp.get('max_overhead')!r})")
+    target_msr(exp, model, batch_size)   # "paper" must name a figure
+
+
 def protocol(cfg) -> tuple[int, int, int]:
     """``(warmup, iters, repeats)``: the experiment's (TENSILE: 5, 50, 3); ``timing=quick``
     (smoke) takes the quick group's warm-up and iterations and one repeat instead."""
@@ -228,6 +279,8 @@ def method_label(name: str, exp) -> str:
         knobs = []
         if name == "tensile_graph" and exp.get("match_peak"):
             knobs.append(f"match_peak={exp.match_peak}")
+        if name == "tensile_graph" and exp.get("match_msr") is not None:
+            knobs.append(f"match_msr={exp.match_msr:g}")   # run() resolves "paper" first
         if exp.get("max_overhead", 0.0):
             knobs.append(f"max_overhead={exp.max_overhead:g}")
         if exp.get("copy_latency_ms", COPY_LATENCY_MS) != COPY_LATENCY_MS:
@@ -453,18 +506,32 @@ def _build_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple,
     return _Built(step, time.perf_counter() - t0, resident_mb, resident_reserved_mb)
 
 
-def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[], torch.nn.Module],
-                       batch: tuple, exp, device: str, opts: dict) -> tuple[dict, _Built | None]:
-    """tensile_graph's budget at the peak ``target`` measured earlier in this job
-    (``experiment.match_peak``), found by planning and capturing (:func:`match_budget`),
+def match_target(match_peak: str | None, msr: float | None,
+                 peaks: dict[str, float]) -> tuple[float, dict]:
+    """tensile_graph's target peak (MB) in this job, and what the row keeps of it: the peak
+    ``match_peak`` measured (``experiment.match_peak``), or ``1 - msr`` of the lower of the
+    vanilla and captured vanilla (``graph``) peaks (``experiment.match_msr``), so the row's
+    MSR is at least ``msr`` against either."""
+    if match_peak:
+        if match_peak not in peaks:
+            raise ValueError(f"match_peak={match_peak!r}: {match_peak} has no measured peak in this "
+                             f"job (it failed or did not run): nothing to plan tensile_graph to")
+        return peaks[match_peak], {"match_peak": match_peak}
+    if "vanilla" not in peaks:
+        raise ValueError(f"match_msr={msr:g}: vanilla has no measured peak in this job (it "
+                         f"failed): no saving to plan tensile_graph to")
+    refs = [peaks[m] for m in ("vanilla", "graph") if m in peaks]
+    return (1 - msr) * min(refs), {"match_msr": msr}
+
+
+def _matched_budget(target_mb: float, build: Callable[[], torch.nn.Module], batch: tuple, exp,
+                    device: str, opts: dict) -> tuple[dict, _Built | None]:
+    """tensile_graph's budget for a captured peak of at most ``target_mb`` (``experiment.
+    match_peak`` / ``match_msr``), found by planning and capturing (:func:`match_budget`),
     with what the row keeps of the search, and the captured step of the try at that budget
     if it fitted (None if none did): the row measures that graph itself, since planning
     again at the same budget may plan differently (the op times are measured anew) and
     peak tens of MB off. That try stays alive while later ones run."""
-    if target not in peaks:
-        raise ValueError(f"match_peak={target!r}: {target} has no measured peak in this job "
-                         f"(it failed or did not run): nothing to plan tensile_graph to")
-    target_mb = peaks[target]
     best: tuple[int, _Built] | None = None     # the try of the highest budget that fitted
 
     def captured_peak_mb(budget: int) -> tuple[float, bool]:
@@ -482,8 +549,7 @@ def _match_peak_budget(target: str, peaks: dict[str, float], build: Callable[[],
     kept = best[1] if best is not None and best[0] == budget else None
     best = None
     _release(device)   # the other tries' graphs and models: not in the measured method's memory
-    return ({"budget": budget, "match_peak": target, "match_target_mb": target_mb,
-             "match_tries": tries}, kept)
+    return {"budget": budget, "match_target_mb": target_mb, "match_tries": tries}, kept
 
 
 def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
@@ -701,6 +767,9 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     row environment (:func:`experiments.env.environment`). Rows go to ``out_dir/tensile.csv``.
     """
     exp = cfg.experiment
+    msr = target_msr(exp, cfg.model.name, cfg.batch_size)
+    if exp.get("match_msr") == "paper":   # the row's label names the figure planned to
+        exp = OmegaConf.merge(exp, {"match_msr": msr})
     warmup, iters, repeats = protocol(cfg)
     store = ResultStore(out_dir / "tensile.csv")
     common = {"experiment": "tensile", "mode": setting(exp), "model": cfg.model.name,
@@ -716,6 +785,7 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     if set(todo) & set(AGAINST_GRAPH) and "graph" not in todo:
         todo.append("graph")   # measured anyway as their reference: keep its row
     match_peak = exp.get("match_peak") if "tensile_graph" in todo else None
+    matching = "tensile_graph" in todo and (match_peak is not None or msr is not None)
     if match_peak and match_peak not in todo:
         todo.append(match_peak)   # its peak is tensile_graph's target: measured again, kept
     fraction = _memory_fraction(exp, device)
@@ -738,16 +808,18 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     if device == "cuda" and set(order) & set(GRAPHED):
         warm_capture_streams(device)
     graph_row: dict | None = None   # the captured vanilla step: AGAINST_GRAPH's reference
-    peaks: dict[str, float] = {}    # measured peaks of this job's ok methods (match_peak's target)
+    peaks: dict[str, float] = {}    # measured peaks of this job's ok methods (match_* targets)
     for name in order:
         _release(device)
         opts: dict = {}
         matched: dict = {}
-        found: _Built | None = None     # match_peak's try, measured as it is
+        found: _Built | None = None     # match_peak's / match_msr's try, measured as it is
         try:
             opts = _method_opts(name, exp, device, fraction, tensile_peak, rates)
-            if name == "tensile_graph" and match_peak:
-                matched, found = _match_peak_budget(match_peak, peaks, build, batch, exp, device, opts)
+            if name == "tensile_graph" and matching:
+                target_mb, matched = match_target(match_peak, msr, peaks)
+                searched, found = _matched_budget(target_mb, build, batch, exp, device, opts)
+                matched.update(searched)
                 opts["budget"] = matched["budget"]
             trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
                      if cfg.get("trace") else None)

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -266,6 +267,17 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
       "experiment.budget=0.5"], r"leave experiment.budget null \(got 0.5\)"),
     (["experiment.match_peak=checkpoint", "experiment.methods=[vanilla,checkpoint,tensile_graph]",
       "experiment.max_overhead=0.1"], r"max_overhead=0.1 has no effect under a budget"),
+    (["experiment.match_msr=1.5"],
+     r"match_msr must be null, a memory saving in \(0, 1\) or 'paper' .*; got 1.5"),
+    (["experiment.match_msr=0.5"], r"experiment.methods needs vanilla and tensile_graph \(got \['vanilla', "),
+    (["experiment.match_msr=0.5", "experiment.match_peak=checkpoint",
+      "experiment.methods=[vanilla,checkpoint,tensile_graph]"],
+     r"match_msr=0.5 and match_peak='checkpoint' both set tensile_graph's target peak: give one"),
+    (["experiment.match_msr=0.5", "experiment.methods=[vanilla,tensile_graph]", "experiment.max_overhead=0.1"],
+     r"leave experiment.budget null and max_overhead 0 \(got None, 0.1\)"),
+    (["experiment.match_msr=paper", "experiment.methods=[vanilla,tensile_graph]"],
+     r"the TENSILE authors give no MSR for small at batch 4 \(they give vgg16 at batch 16, .*"
+     r"densenet121 at batch 16\); give a number"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -385,6 +397,48 @@ def test_match_budget_takes_back_memory_a_fitting_try_left_unused():
     assert captured(budget)[0] > 953.4 - 40   # 31 MB left, not the first fit's 49
 
 
+def test_match_msr_paper_is_the_authors_figure_for_the_model_and_batch():
+    exp = _compose(["experiment=tensile", "experiment.match_msr=paper"]).experiment
+    theirs = pd.read_csv(tensile_run.PAPER_SINGLE)
+    for r in theirs.itertuples():
+        assert tensile_run.target_msr(exp, r.model, r.batch_size) == r.msr
+    assert tensile_run.target_msr(exp, "resnet50", 16) == 0.671
+    assert tensile_run.paper_msr("resnet50", 32) is None
+    assert tensile_run.target_msr(_compose(["experiment=tensile"]).experiment, "resnet50", 16) is None
+    number = _compose(["experiment=tensile", "experiment.match_msr=0.4"]).experiment
+    assert tensile_run.target_msr(number, "anything", 3) == 0.4
+
+
+def test_match_target_is_a_measured_peak_or_a_saving_against_both_vanilla_peaks():
+    peaks = {"vanilla": 1000.0, "graph": 900.0, "checkpoint_graph": 700.0}
+    assert tensile_run.match_target("checkpoint_graph", None, peaks) == (700.0, {"match_peak": "checkpoint_graph"})
+    # the lower reference: the row's MSR is then at least 0.6 against vanilla and graph
+    target, info = tensile_run.match_target(None, 0.6, peaks)
+    assert target == pytest.approx(360.0) and info == {"match_msr": 0.6}
+    assert 1 - target / 1000.0 >= 0.6 and 1 - target / 900.0 >= 0.6 - 1e-12
+    assert tensile_run.match_target(None, 0.5, {"vanilla": 800.0})[0] == pytest.approx(400.0)
+    with pytest.raises(ValueError, match="match_msr=0.5: vanilla has no measured peak"):
+        tensile_run.match_target(None, 0.5, {"graph": 800.0})
+    with pytest.raises(ValueError, match="match_peak='sac': sac has no measured peak"):
+        tensile_run.match_target("sac", None, peaks)
+
+
+def test_a_match_msr_row_names_the_resolved_figure_and_says_why_it_could_not_plan(small, tmp_path,
+                                                                                  monkeypatch):
+    # on the CPU no peak is measured: the tensile_graph row is an error that says so, under
+    # the label of the figure "paper" resolved to (graph and tensile_graph need CUDA)
+    monkeypatch.setattr(tensile_run, "paper_msr", lambda model, batch: 0.42)
+    cfg = _cfg(tmp_path, "experiment.match_msr=paper", "experiment.methods=[vanilla,tensile_graph]")
+    from experiments.env import environment
+    tensile_run.run(cfg, small_models(), "cpu", environment("cpu"), tmp_path / "cpu")
+    rows = _rows(tmp_path)
+    assert set(rows) == {"vanilla", "graph", "tensile_graph(match_msr=0.42)"}
+    assert rows["vanilla"]["status"] == "ok"
+    ours = rows["tensile_graph(match_msr=0.42)"]
+    assert ours["status"] == "error"
+    assert "match_msr=0.42: vanilla has no measured peak" in ours["reason"]
+
+
 def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     exp = _compose(["experiment=tensile", "experiment.memory_gb=16", "experiment.budget=0.5",
                     "experiment.activation_memory_budget=0.3"]).experiment
@@ -403,6 +457,8 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run.method_label("tensile_graph", mp) == "tensile_graph(match_peak=checkpoint_graph)"
     assert tensile_run.method_label("tensile", mp) == "tensile"   # captured only
     assert tensile_run.setting(mp) == "whole-step"   # beside the other whole-step rows
+    msr = _compose(["experiment=tensile", "experiment.match_msr=0.5"]).experiment
+    assert tensile_run.method_label("tensile_graph", msr) == "tensile_graph(match_msr=0.5)"
     bn = _compose(["experiment=tensile", "experiment.batch_norm_from_stats=true"]).experiment
     assert tensile_run.method_label("tensile_graph", bn) == "tensile_graph(bn_from_stats)"
     assert tensile_run._method_opts("tensile", bn, "cpu", None, None, {})["batch_norm_from_stats"]
@@ -506,7 +562,12 @@ def test_presets_cover_the_papers_workloads():
     # the paper models without dropout (checkpoint_graph refuses VGG-16's and Inception-v3's)
     assert str(equal.hydra.sweeper.params.model).split(",") == ["inception_v4", "resnet50", "densenet121"]
     assert str(equal.hydra.sweeper.params["experiment.batch_norm_from_stats"]) == "false,true"
-    for cfg in (single, batch, budget, captured, streamed, cost, equal):
+    authors = _compose(["+sweep=tensile_authors"], hydra_cfg=True)
+    assert authors.experiment.match_msr == "paper" and authors.experiment.batch_norm_from_stats
+    assert list(authors.experiment.methods) == ["vanilla", "graph", "tensile_graph"]
+    assert str(authors.hydra.sweeper.params.model).split(",") == PAPER_MODELS
+    assert str(authors.hydra.sweeper.params["experiment.stream_optimizer"]) == "0,16"
+    for cfg in (single, batch, budget, captured, streamed, cost, equal, authors):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
 
@@ -548,6 +609,25 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
     capped = [r for r in read_rows(tmp_path / gpu / "tensile.csv") if "memfrac" in r["mode"]]
     assert capped[0]["status"] == "error"
     assert capped[0]["reason"].startswith("out of memory at memory_fraction=1e-06")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tensile_graph_plans_to_a_memory_saving(small, tmp_path):
+    from experiments.env import gpu_slug
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,tensile_graph]", "experiment.match_msr=0.3",
+               "experiment.image_size=64", device="cuda")
+    run.run_config(cfg)
+    rows = _rows(tmp_path, gpu_slug())
+    vanilla, graph, ours = rows["vanilla"], rows["graph"], rows["tensile_graph(match_msr=0.3)"]
+    assert ours["status"] == "ok", ours["reason"]
+    e = ours["extra"]
+    assert e["match_msr"] == 0.3
+    lower = min(float(vanilla["peak_mem_mb"]), float(graph["peak_mem_mb"]))
+    assert e["match_target_mb"] == pytest.approx(0.7 * lower)
+    assert e["match_met"] is (float(ours["peak_mem_mb"]) <= e["match_target_mb"])
+    if e["match_met"]:   # at least the saving asked for, against either vanilla step
+        assert e["msr"] >= 0.3 - 1e-9 and e["msr_vs_graph"] >= 0.3 - 1e-9
 
 
 @pytest.mark.gpu
