@@ -556,33 +556,51 @@ def _captured_against_graph(metrics: pd.DataFrame) -> pd.DataFrame:
     return m
 
 
-def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
+                     every: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per paper model: our TENSILE MSR/EOR at the paper's batch beside the authors', the
-    verdict (MSR at least theirs and EOR at most half theirs), and the throughput ratio over
-    the fastest PyTorch built-in whose peak is no higher than TENSILE's."""
+    verdict (MSR at least theirs and EOR at most half theirs: "reproduced" when every
+    measurement of the variant shown meets it, "in k of n runs" when only some do), and the
+    throughput ratio over the fastest PyTorch built-in whose peak is no higher than TENSILE's.
+    ``metrics``: :func:`tensile_metrics` of the latest row per key (the built-ins);
+    ``every``: the same of every row (:func:`load_rows` with ``every_row``), which TENSILE's
+    variants and their runs are taken from (default ``metrics``)."""
     lines = []
-    for _, p in paper.iterrows():
+    every = metrics if every is None else every
+
+    def whole_steps(m: pd.DataFrame, p) -> pd.DataFrame:
         # whole steps on the whole GPU; a TENSILE budget (``budget=``) changes only TENSILE's
         # and Capuchin's plans, so those runs' rows count too
-        mine = metrics[(metrics["model"] == p["model"]) & (metrics["batch_size"] == p["batch_size"])
-                       & metrics["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?")]
+        return m[(m["model"] == p["model"]) & (m["batch_size"] == p["batch_size"])
+                 & m["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?")]
+
+    for _, p in paper.iterrows():
+        mine = whole_steps(metrics, p)
         # TENSILE's variants: tensile, tensile(max_overhead=...) against eager vanilla, and
         # tensile_graph(...) and streamed_graph(...) (the streamed optimizer alone) against
         # the captured vanilla step (the same mode: host out of both)
-        ours = _captured_against_graph(mine)
+        ours = _captured_against_graph(whole_steps(every, p))
         ours = ours[ours["method"].str.match(r"tensile($|\()|(tensile|streamed)_graph")
                     & ours["msr"].notna() & ours["eor"].notna()]
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
                 "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
                 "verdict": "not measured", "vs best built-in": ""}
         if len(ours):
-            # of TENSILE's variants, one that meets the target if any, else the one that
-            # saves the most memory
+            # of TENSILE's variants, the one that meets the target in the largest share of its
+            # runs (``metrics`` may hold one row per run), its run that saves the most; else
+            # the one that saves the most memory
             meets = (ours["msr"] >= p["msr"]) & (ours["eor"] <= p["eor"] / 2)
-            t = (ours[meets] if meets.any() else ours).sort_values("msr").iloc[-1]
+            runs = meets.groupby(ours["method"]).agg(["sum", "count"])
+            if meets.any():
+                share = (runs["sum"] / runs["count"]).sort_values(ascending=False, kind="stable")
+                best = ours[meets & (ours["method"] == share.index[0])]
+                t = best.sort_values("msr").iloc[-1]
+            else:
+                t = ours.sort_values("msr").iloc[-1]
             line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
-            ok = bool(meets.any())
-            line["verdict"] = "reproduced" if ok else "not reproduced"
+            k, n = (int(v) for v in runs.loc[t["method"]])
+            line["verdict"] = ("not reproduced" if not k else "reproduced" if k == n
+                               else f"in {k} of {n} runs")
             builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
                             & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
             if len(builtins):
@@ -670,6 +688,47 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     cols = ["model", "batch", "TENSILE", "built-in", "built-in ms", "built-in MiB", "TENSILE ms",
             "TENSILE MiB", "peak met", "tries", "speedup", "graph ms", "ceiling", "verdict", "commit"]
     return pd.DataFrame(lines, columns=cols)
+
+
+def tensile_authors_saving_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """``tensile_graph`` planned to the authors' MSR (``experiment.match_msr``,
+    ``+sweep=tensile_authors``): per model and variant, over its runs, the MSR (the lower of
+    those against the eager and the captured vanilla step), the EOR against the captured
+    vanilla step (``graph``) beside half the authors' (the target's limit), how many runs
+    reached the saving (``saved``: the captured peak at most the target) and how many met
+    the whole target. ``rows``: :func:`load_rows` with ``every_row``."""
+    metrics = tensile_metrics(rows)
+    metrics = _captured_against_graph(metrics[metrics["method"].str.contains("match_msr=", regex=False)])
+    lines = []
+    theirs = paper.set_index(["model", "batch_size"])
+    for (model, batch, method), g in metrics.groupby(["model", "batch_size", "method"], sort=False):
+        if (model, batch) not in theirs.index:
+            continue
+        p = theirs.loc[(model, batch)]
+        meets = (g["msr"] >= p["msr"]) & (g["eor"] <= p["eor"] / 2)
+        # the peak fitted the target: at least the saving asked for against both references
+        saved = g["msr"] >= g["method"].str.extract(r"match_msr=([0-9.]+)")[0].astype(float) - 1e-9
+        k, n = int(meets.sum()), len(g)
+        lines.append({"model": model, "batch": int(batch), "paper MSR": p["msr"],
+                      "EOR limit": round(p["eor"] / 2, 4),
+                      "variant": method.replace("tensile_graph(", "(").replace(" vs graph", ""),
+                      "runs": n, "MSR": _span(g["msr"]), "EOR vs graph": _span(g["eor"]),
+                      "saved": f"{int(saved.sum())} of {n}",
+                      "verdict": ("not reproduced" if not k else "reproduced" if k == n
+                                  else f"in {k} of {n} runs"),
+                      "commit": ", ".join(sorted(set(g["commit"])))})
+    cols = ["model", "batch", "paper MSR", "EOR limit", "variant", "runs", "MSR", "EOR vs graph",
+            "saved", "verdict", "commit"]
+    table = pd.DataFrame(lines, columns=cols)
+    order = {m: i for i, m in enumerate(paper["model"])}   # the authors' order, then variant
+    return table.sort_values(["model", "variant"], key=lambda c: c.map(order) if c.name == "model" else c,
+                             kind="stable").reset_index(drop=True)
+
+
+def _span(values: pd.Series) -> str:
+    """``lo–hi`` of ``values`` to three places (one value: itself)."""
+    lo, hi = float(values.min()), float(values.max())
+    return f"{lo:.3f}" if round(lo, 3) == round(hi, 3) else f"{lo:.3f}–{hi:.3f}"
 
 
 def tensile_cpu_plans(plans: pd.DataFrame, paper: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -1153,6 +1212,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     if (df["experiment"] == "tensile").any():
         metrics = tensile_metrics(df)
+        every_row = load_rows(gpu_dir, every_row=True)   # each job's row (runs of one key)
         md += ["## TENSILE: memory saving (MSR) and extra time (EOR) per method", "",
                "MSR = 1 − peak/peak_vanilla (allocated); EOR = time/time_vanilla − 1; vanilla measured "
                "in the same process; *_vs_graph: a captured TENSILE step against the captured "
@@ -1181,8 +1241,19 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "each built-in's own peak, the fastest TENSILE variant of the same kind "
                    "(captured or eager) with a peak no higher, over that built-in; per kind the "
                    "built-in TENSILE beats by the least.", "",
-                   md_table(tensile_verdicts(metrics, paper_tensile)), ""]
-        equal = tensile_equal_peak_table(load_rows(gpu_dir, every_row=True))
+                   md_table(tensile_verdicts(metrics, paper_tensile, tensile_metrics(every_row))), ""]
+            saving = tensile_authors_saving_table(every_row, paper_tensile)
+            if len(saving):
+                md += ["### TENSILE at the authors' memory saving", "",
+                       "`+sweep=tensile_authors`: `tensile_graph` planned to the authors' MSR "
+                       "(`experiment.match_msr=paper`) against the lower of the vanilla and captured "
+                       "vanilla peaks, re-planned and captured until its peak fits; per variant "
+                       "over its runs: MSR (the lower of those against the eager and the captured "
+                       "vanilla step), EOR against the captured vanilla step beside the target's "
+                       "limit (half the authors' EOR), the runs whose peak reached the saving "
+                       "(`saved`) and the verdict (MSR and EOR both met).", "",
+                       md_table(saving), ""]
+        equal = tensile_equal_peak_table(every_row)
         if len(equal):
             md += ["### TENSILE at a built-in's memory, same job", "",
                    "`+sweep=tensile_equal_peak`: `tensile_graph` planned to the peak the built-in "

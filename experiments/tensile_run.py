@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import ListConfig, OmegaConf
 
-from experiments.run import ConfigError, validate_model_and_batch, write_trace
+from experiments.run import RUN_ID, ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
 from experiments.store import ResultStore, row_key
 from experiments.timing import measure
@@ -773,7 +773,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
     warmup, iters, repeats = protocol(cfg)
     store = ResultStore(out_dir / "tensile.csv")
     common = {"experiment": "tensile", "mode": setting(exp), "model": cfg.model.name,
-              "batch_size": cfg.batch_size, "warmup": warmup, "iters": iters}
+              "batch_size": cfg.batch_size, "warmup": warmup, "iters": iters,
+              "run_id": RUN_ID}   # the process: the report counts runs by it (extra.run_id)
     done = store.done_keys(redo=cfg.redo, min_iters=iters)
     methods = list(exp.methods)
     todo = [m for m in methods

@@ -255,6 +255,39 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert "## TENSILE" in text and "Speedup over eager" not in text
 
 
+def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    label = "tensile_graph(match_msr=0.671,stream_optimizer=16)"   # paper ResNet-50: .671 / .609
+    _tensile_row(store, "vanilla", 24.0, 1650.0, 0.0, 0.0, run_id="a")
+    for run_id, eor, msr in (("a", 0.319, 0.677), ("b", 0.302, 0.677), ("c", 0.309, 0.674)):
+        _tensile_row(store, "graph", 11.0, 1660.0, 0.0, -0.5, run_id=run_id)
+        _tensile_row(store, label, 11.0 * (1 + eor), 540.0, msr, -0.4, run_id=run_id, match_msr=0.671,
+                     msr_vs_graph=msr + 0.002, eor_vs_graph=eor)
+    # a variant measured once that does not reach the saving
+    _tensile_row(store, "tensile_graph(match_msr=0.671,stream_optimizer=16,stream_resident=6)",
+                 14.4, 590.0, 0.658, -0.4, run_id="c", match_msr=0.671, msr_vs_graph=0.66,
+                 eor_vs_graph=0.283)
+    paper = pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")
+    latest, every = (report.tensile_metrics(report.load_rows(tmp_path / "h200", every_row=e))
+                     for e in (False, True))
+    # the latest row per key alone (run c) misses the run that met the target
+    assert report.tensile_verdicts(latest, paper).set_index("model").loc["resnet50", "verdict"] == \
+        "not reproduced"
+    v = report.tensile_verdicts(latest, paper, every).set_index("model").loc["resnet50"]
+    assert v["verdict"] == "in 1 of 3 runs" and (v["MSR"], v["EOR"]) == (0.677, 0.302)
+    assert v["method"] == label + " vs graph"
+    table = report.tensile_authors_saving_table(report.load_rows(tmp_path / "h200", every_row=True),
+                                                paper).set_index("variant")
+    mine = table.loc["(match_msr=0.671,stream_optimizer=16)"]
+    assert (mine["runs"], mine["saved"], mine["verdict"]) == (3, "3 of 3", "in 1 of 3 runs")
+    assert (mine["MSR"], mine["EOR vs graph"], mine["EOR limit"]) == ("0.674–0.677", "0.302–0.319", 0.3045)
+    short = table.loc["(match_msr=0.671,stream_optimizer=16,stream_resident=6)"]
+    assert (short["saved"], short["verdict"]) == ("0 of 1", "not reproduced")
+    text = report.write_report(tmp_path / "h200").read_text()
+    assert "### TENSILE at the authors' memory saving" in text and "| in 1 of 3 runs |" in text
+
+
 def test_capped_settings_say_which_methods_train_the_job(tmp_path):
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
     base = dict(experiment="tensile", model="resnet50", batch_size=256, device="cuda",

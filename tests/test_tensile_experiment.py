@@ -434,6 +434,7 @@ def test_a_match_msr_row_names_the_resolved_figure_and_says_why_it_could_not_pla
     rows = _rows(tmp_path)
     assert set(rows) == {"vanilla", "graph", "tensile_graph(match_msr=0.42)"}
     assert rows["vanilla"]["status"] == "ok"
+    assert {r["extra"]["run_id"] for r in rows.values()} == {run.RUN_ID}   # one process, one run
     ours = rows["tensile_graph(match_msr=0.42)"]
     assert ours["status"] == "error"
     assert "match_msr=0.42: vanilla has no measured peak" in ours["reason"]
