@@ -31,7 +31,7 @@ RESULTS = REPO_ROOT / "results"
 # conf/sweep/<name>.yaml, in the order they run.
 GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "paper_training",
               "training_whole_step", "tensile_single", "tensile_captured", "tensile_equal_peak",
-              "streamed_cost", "tensile_streamed"]
+              "tensile_authors", "streamed_cost", "tensile_streamed"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
 # backends (which record "unavailable" rows with their reason).
 CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",
