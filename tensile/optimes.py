@@ -10,6 +10,8 @@ host-bound step are mostly such gaps, which is why a plan for a captured step
 """
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -124,9 +126,12 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
     they rerun inside it.
 
     Both are measured on ``device``, once per distinct input shape, dtype and fused ops, on
-    random data: on CUDA each as a CUDA graph of ``repeats`` calls (a captured step runs them
-    back to back), elsewhere by wall time (median of ``repeats``). A shape that does not fit
-    in memory now is left out: the planner then prices its recompute at the whole op.
+    random data: on CUDA each as a CUDA graph of at least ``repeats`` calls (a captured step
+    runs them back to back), each call on the next of enough copies of its inputs that none
+    is still in the L2 cache (:func:`cold_copies`: in a step the op's input was written long
+    before; a warm input made layer 1's rebuilds of ResNet-50 look twice as fast as they
+    ran), elsewhere by wall time (median of ``repeats``). A shape that does not fit in memory
+    now is left out: the planner then prices its recompute at the whole op.
     """
     device = torch.device(device)
     measured: dict[tuple, float | None] = {}
@@ -193,25 +198,50 @@ def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, joined: tuple[str, 
     :func:`tensile.fused.batch_norm_act` with the ``joined`` in-place ops) over the batch
     norm's own, at ``shape``; at least 1e-3 (no rerun is free)."""
     eps, c = 1e-5, shape[1]
-    x = torch.randn(shape, dtype=dtype, device=device)
-    residual = torch.randn_like(x) if "add_" in joined else None
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    touched = math.prod(shape) * itemsize * (2 if "add_" in joined else 1)
+    copies = cold_copies(touched, _l2_bytes(device))
+    xs = [torch.randn(shape, dtype=dtype, device=device) for _ in range(copies)]
+    residuals = [torch.randn_like(x) for x in xs] if "add_" in joined else [None] * copies
     weight, bias = torch.ones(c, dtype=dtype, device=device), torch.zeros(c, dtype=dtype, device=device)
     running = [torch.zeros(c, dtype=dtype, device=device), torch.ones(c, dtype=dtype, device=device)]
+    turn = itertools.cycle(range(copies))   # each call on the next copy: its input cold
 
     def op():   # the op a training-mode nn.BatchNorm runs (cuDNN's on CUDA)
-        return torch.ops.aten._batch_norm_with_update(x, weight, bias, *running, 0.1, eps)
+        return torch.ops.aten._batch_norm_with_update(xs[next(turn)], weight, bias, *running, 0.1, eps)
 
     _, mean, invstd, _ = op()
 
     def apply():
+        i = next(turn)
         if not joined:
-            return _batch_norm_apply(x, weight, bias, mean, invstd, eps)
-        return batch_norm_act(x, weight, bias, mean, invstd, eps, residual=residual,
+            return _batch_norm_apply(xs[i], weight, bias, mean, invstd, eps)
+        return batch_norm_act(xs[i], weight, bias, mean, invstd, eps, residual=residuals[i],
                               relu="relu_" in joined)
 
-    op_ms, apply_ms = (_graph_ms(f, repeats) if device.type == "cuda" else _wall_ms(f, repeats)
+    calls = max(repeats, copies)
+    op_ms, apply_ms = (_graph_ms(f, calls) if device.type == "cuda" else _wall_ms(f, repeats)
                        for f in (op, apply))
     return max(1e-3, apply_ms / op_ms) if op_ms > 0 else 1.0
+
+
+def cold_copies(nbytes: int, l2_bytes: int, most: int = 64) -> int:
+    """How many copies of an op's inputs (``nbytes`` together) a timing loop cycles through
+    so that each call finds its inputs out of an ``l2_bytes`` L2 cache, as in a training
+    step, where other tensors passed through the cache since they were written: enough to
+    fill the cache twice over, at least 2, at most ``most`` (tiny inputs stay cached, as
+    they may in a step); 1 without a cache (``l2_bytes`` 0: the CPU's timing)."""
+    if l2_bytes <= 0 or nbytes <= 0:
+        return 1
+    return max(2, min(most, math.ceil(2 * l2_bytes / nbytes)))
+
+
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 cache of a CUDA ``device`` in bytes (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or 64 * 2**20)   # older builds: assume 64 MiB
 
 
 def _graph_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -674,3 +674,24 @@ def test_a_budget_on_cuda_without_expandable_segments_gets_a_hint():
     assert fragmentation_hint(2**30, cuda, lambda: True) is None
     assert fragmentation_hint(None, cuda, asked) is None         # no budget: nothing to overrun
     assert fragmentation_hint(2**30, cpu, asked) is None         # the CPU has no caching allocator
+
+
+def test_rerun_shares_time_each_call_on_inputs_out_of_the_l2_cache():
+    """A timing loop cycles through enough copies of a batch norm's input to fill the L2
+    cache twice over (a step's input was written long before the rerun); on the CPU one copy,
+    timed by the wall clock, still gives a share for every training-mode batch norm."""
+    from nimble.graph import OpNode, TaskGraph
+    from tensile.optimes import batch_norm_rerun_shares, cold_copies
+    mib = 2 ** 20
+    assert cold_copies(12 * mib, 50 * mib) == 9        # 12 MiB inputs: 108 MiB cycled
+    assert cold_copies(49 * mib, 50 * mib) == 3
+    assert cold_copies(200 * mib, 50 * mib) == 2       # larger than the cache: two alternate
+    assert cold_copies(64 * 1024, 50 * mib) == 64      # tiny inputs: the most, still cached
+    assert cold_copies(12 * mib, 0) == 1 and cold_copies(0, 50 * mib) == 1
+    shape = (4, 8, 16, 16)
+    nodes = [OpNode(0, "aten.native_batch_norm.default", phase="forward", input_shapes=[shape, (8,)],
+                    input_dtypes=["torch.float32"], output_shapes=[shape, (8,), (8,)], reads=[0],
+                    writes=[1]),
+             OpNode(1, "aten.relu_.default", phase="forward", input_shapes=[shape], reads=[1], writes=[1])]
+    shares = batch_norm_rerun_shares(TaskGraph(nodes=nodes, edges=[]), "cpu", repeats=3)
+    assert set(shares) == {0, 1} and shares[0] >= 1e-3 and shares[1] == 0.0
