@@ -587,8 +587,8 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
                 "verdict": "not measured", "vs best built-in": ""}
         if len(ours):
             # of TENSILE's variants, the one that meets the target in the largest share of its
-            # runs (``metrics`` may hold one row per run), its run that saves the most; else
-            # the one that saves the most memory
+            # runs (``every`` holds a row per run), its run that saves the most; else the one
+            # that saves the most memory
             meets = (ours["msr"] >= p["msr"]) & (ours["eor"] <= p["eor"] / 2)
             runs = meets.groupby(ours["method"]).agg(["sum", "count"])
             if meets.any():
@@ -1234,7 +1234,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "throughput of the fastest PyTorch built-in whose peak is no higher. Of TENSILE's "
                    "variants (`tensile`, `tensile(max_overhead=…)`, and the captured "
                    "`tensile_graph(…)` and `streamed_graph(…)`, the streamed optimizer without a "
-                   "plan) the line shows one that meets the target if any, else the one "
+                   "plan) the line shows the one that meets the target in the largest share of "
+                   "its measured rows (\"in k of n runs\" when only some meet it), else the one "
                    "that saves the most memory. A captured variant's EOR is against the captured "
                    "vanilla step (`graph`, the host out of both), its MSR the lower of those against "
                    "the eager and the captured vanilla step. The last column turns it around: at "
