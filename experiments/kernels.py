@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -40,7 +40,7 @@ from .store import append_table_row
 from .models import build_model, example_input
 from .timing import measure
 
-__all__ = ["Census", "summarize", "census", "main"]
+__all__ = ["Census", "summarize", "census", "kernel_diff", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOP = 10    # kernel names kept per row
@@ -61,6 +61,8 @@ class Census:
     busy_ms: float
     span_ms: float
     top: list[tuple[str, float, float]]     # (name, launches per call, us per call), costliest first
+    # every name's (launches per call, us per call): what :func:`kernel_diff` compares
+    by_name: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Census:
@@ -93,24 +95,38 @@ def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Cen
             run_end = max(run_end, end)
         busy_us += run_end - run_start
     kernel_us = sum(total for _, total in by_name.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
+    every = {name: (count / calls, total / calls) for name, (count, total) in by_name.items()}
+    top = sorted(every.items(), key=lambda kv: -kv[1][1])[:TOP]
     return Census(calls=calls, kernels=sum(map(len, per_call.values())) / calls,
                   kernel_ms=kernel_us / calls / 1e3, busy_ms=busy_us / calls / 1e3,
                   span_ms=span_us / calls / 1e3,
-                  top=[(name, count / calls, total / calls) for name, (count, total) in top])
+                  top=[(name, count, us) for name, (count, us) in top], by_name=every)
 
 
-def census(fn: Callable, inputs: Sequence[torch.Tensor], calls: int = 20, warmup: int = 20) -> Census:
+def kernel_diff(base: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]],
+                top: int = TOP) -> list[tuple[str, float, float]]:
+    """The kernel names whose time per call changes most from ``base`` to ``other``
+    (:attr:`Census.by_name` of each): ``(name, launches added, us added)`` per call, the
+    largest change first (a name missing on one side counts as zero there)."""
+    names = set(base) | set(other)
+    diff = [(n, other.get(n, (0.0, 0.0))[0] - base.get(n, (0.0, 0.0))[0],
+             other.get(n, (0.0, 0.0))[1] - base.get(n, (0.0, 0.0))[1]) for n in names]
+    return sorted(diff, key=lambda d: (-abs(d[2]), d[0]))[:top]
+
+
+def census(fn: Callable, inputs: Sequence[torch.Tensor], calls: int = 20, warmup: int = 20,
+           no_grad: bool = True) -> Census:
     """Run ``fn(*inputs)`` ``calls`` times under the profiler, each synchronised; their census.
 
     Between two calls a short spin kernel (``torch.cuda._sleep``) runs alone: it marks where
     one call's GPU tasks end and the next's begin, and is left out of the census. Only CUDA
-    activity is recorded, so the profiler adds no host work to a call.
+    activity is recorded, so the profiler adds no host work to a call. ``no_grad`` (inference
+    calls); a training step passes False.
     """
     from torch.profiler import ProfilerActivity, profile
     if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         raise ValueError("census counts CUDA kernels: the inputs must be CUDA tensors")
-    with torch.no_grad():
+    with torch.set_grad_enabled(not no_grad):
         for _ in range(warmup):
             fn(*inputs)
         torch.cuda.synchronize()
@@ -145,6 +161,7 @@ def measure_backend(name: str, batch_size: int, backend: str, *, iters: int = 20
     timing = measure(result.fn, (x,), warmup=50, iters=iters)
     found = asdict(census(result.fn, (x,)))
     top = found.pop("top")
+    found.pop("by_name")    # the row keeps the costliest names (top_kernels)
     return {**row, "status": "ok", "reason": "", "median_ms": timing.median_ms,
             "prepare_s": round(result.prepare_s, 2), **found,
             "busy_share": found["busy_ms"] / timing.median_ms,

@@ -690,6 +690,43 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines, columns=cols)
 
 
+def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """``experiment.census``: per captured method counted under the profiler, beside the
+    captured vanilla step (``graph``) of its own job (the latest measured before it, same
+    run, model, batch and setting): its step (mean ms) and, per step, the time it adds over
+    ``graph``, split into kernel time added (its summed kernels) and GPU idle time added
+    (step minus busy time: the GPU waiting on copies, events or the host), with the kernel
+    names whose time grew most. ``rows``: :func:`load_rows` with ``every_row``."""
+    from experiments.kernels import kernel_diff
+    ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]]
+    same = ["run_id", "model", "batch_size", "mode"]
+    lines = []
+    for r, extra in _tensile_rows(rows):
+        if r["backend"] == "graph" or extra.get("census_busy_ms") is None:
+            continue
+        job = ok.loc[:r.name - 1]   # measured before it (load_rows keeps the order measured)
+        job = job[(job[same] == r[same]).all(axis=1) & (job["backend"] == "graph")]
+        if not len(job):
+            continue
+        g = job.iloc[-1]
+        base = json.loads(g["extra"]) if g["extra"] else {}
+        if base.get("census_busy_ms") is None:
+            continue
+        idle, base_idle = r["mean_ms"] - extra["census_busy_ms"], g["mean_ms"] - base["census_busy_ms"]
+        grown = kernel_diff(base.get("census_by_name", {}), extra.get("census_by_name", {}), top=3)
+        lines.append({"model": r["model"], "batch": int(r["batch_size"]), "method": r["backend"],
+                      "step ms": round(r["mean_ms"], 3), "graph ms": round(g["mean_ms"], 3),
+                      "added ms": round(r["mean_ms"] - g["mean_ms"], 3),
+                      "kernels added ms": round(extra["census_kernel_ms"] - base["census_kernel_ms"], 3),
+                      "idle added ms": round(idle - base_idle, 3),
+                      "kernels grown most (us per step)": "; ".join(
+                          f"{name[:48]} {us:+.0f}" for name, _, us in grown),
+                      "commit": str(r["commit"])[:7]})
+    cols = ["model", "batch", "method", "step ms", "graph ms", "added ms", "kernels added ms",
+            "idle added ms", "kernels grown most (us per step)", "commit"]
+    return pd.DataFrame(lines, columns=cols)
+
+
 def tensile_authors_saving_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
     """``tensile_graph`` planned to the authors' MSR (``experiment.match_msr``,
     ``+sweep=tensile_authors``): per model and variant, over its runs, the MSR (the lower of
@@ -1254,6 +1291,14 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                        "limit (half the authors' EOR), the runs whose peak reached the saving "
                        "(`saved`) and the verdict (MSR and EOR both met).", "",
                        md_table(saving), ""]
+        census = tensile_census_table(every_row)
+        if len(census):
+            md += ["### Where a captured step's extra time goes", "",
+                   "`experiment.census=true`: ten steps of each captured method under the "
+                   "profiler, against the captured vanilla step (`graph`) of the same job. added = "
+                   "step − graph's step (mean ms); kernels added = summed kernel time over graph's; "
+                   "idle added = (step − busy time) over graph's: the GPU waiting on copies, events "
+                   "or the host.", "", md_table(census), ""]
         equal = tensile_equal_peak_table(every_row)
         if len(equal):
             md += ["### TENSILE at a built-in's memory, same job", "",

@@ -129,9 +129,12 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
-    for flag in ("allow_swaps", "batch_norm_from_stats"):
+    for flag in ("allow_swaps", "batch_norm_from_stats", "census"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
             raise ConfigError(f"experiment.{flag} must be true or false, got {exp.get(flag)!r}")
+    if exp.get("census", False) and cfg.device.name != "cuda":
+        raise ConfigError("experiment.census counts the CUDA kernels of the captured methods' "
+                          "replays: it needs device=cuda")
     rb = exp.get("record_batches")
     if rb is not None:
         if not isinstance(rb, (list, tuple, ListConfig)) or \
@@ -555,7 +558,8 @@ def _matched_budget(target_mb: float, build: Callable[[], torch.nn.Module], batc
 def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple, exp,
                    device: str, warmup: int, iters: int, repeats: int, opts: dict,
                    fraction: float | None = None, cap_setup: bool = True,
-                   trace_path: Path | None = None, built: _Built | None = None) -> dict:
+                   trace_path: Path | None = None, built: _Built | None = None,
+                   census: bool = False) -> dict:
     """Build, warm up and time one method; returns the row's measured fields.
 
     ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
@@ -563,8 +567,9 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     vanilla step). ``trace_path``: also write a torch.profiler trace of three steps there,
     after the timed ones (where a method's extra time goes). ``built``: time this method,
     built already (the try ``experiment.match_peak`` found), instead of building it; a cap
-    then holds from the training steps on. Raises what the method raises (the caller turns
-    it into an error row).
+    then holds from the training steps on. ``census``: also count the GPU tasks of ten steps
+    of a captured method (:func:`step_census`). Raises what the method raises (the caller
+    turns it into an error row).
     """
     cuda = device == "cuda"
     if built is None:
@@ -618,10 +623,12 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     stats = step.stats()
     if trace_path is not None:
         write_trace(call, (batch,), trace_path)
+    kernels = step_census(call, batch) if census and cuda and name in GRAPHED else {}
     extra = {"repeats": repeats, "repeat_mean_ms": [round(m, 4) for m in means],
              "repeat_std_ms": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
              "loss": loss}
     extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
+    extra.update(kernels)
     if cuda and name in GRAPHED:   # a replay allocates nothing: the capture's peak is every step's
         peaks = [stats["graph_peak_mb"] - resident_mb]
         reserved = [stats["graph_reserved_mb"] - resident_reserved_mb]
@@ -634,6 +641,24 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     return {"status": "ok", "reason": "", **summarize_ms(samples),
             "wall_ms": round(float(np.median(walls)), 4), "prepare_s": round(prepare_s, 3),
             "peak_mem_mb": round(max(peaks), 1) if cuda else None, "extra": extra}
+
+
+# kernel names the row keeps: those taking at least this many us per step
+CENSUS_MIN_US = 1.0
+
+
+def step_census(call: Callable[[tuple], None], batch: tuple, steps: int = 10) -> dict:
+    """Where a captured step's time goes on the GPU (:func:`experiments.kernels.census` of
+    ``steps`` steps, each alone): per step the GPU tasks (``census_kernels``), their summed
+    time (``census_kernel_ms``), the time at least one runs (``census_busy_ms``) and, per
+    kernel name taking at least ``CENSUS_MIN_US``, launches and us (``census_by_name``), for
+    the report's comparison with the captured vanilla step of the same job."""
+    from experiments.kernels import census
+    found = census(lambda *b: call(b), batch, calls=steps, warmup=2, no_grad=False)
+    return {"census_kernels": round(found.kernels, 1), "census_kernel_ms": round(found.kernel_ms, 4),
+            "census_busy_ms": round(found.busy_ms, 4), "census_span_ms": round(found.span_ms, 4),
+            "census_by_name": {name[:120]: [round(n, 2), round(us, 2)]
+                               for name, (n, us) in found.by_name.items() if us >= CENSUS_MIN_US}}
 
 
 def warm_capture_streams(device: str) -> None:
@@ -825,7 +850,8 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
             trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
                      if cfg.get("trace") else None)
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
-                                    fraction, bool(exp.cap_setup), trace, found)
+                                    fraction, bool(exp.cap_setup), trace, found,
+                                    census=bool(exp.get("census", False)))
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, never a crash
             if not isinstance(exc, torch.OutOfMemoryError):
                 log.exception("%s on %s failed", name, cfg.model.name)

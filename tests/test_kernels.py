@@ -17,6 +17,16 @@ def test_summarize_counts_overlap_once_and_gaps_not_at_all():
     assert c.busy_ms == pytest.approx(25 / 1e3)               # [0, 15] and [40, 50]
     assert c.span_ms == pytest.approx(50 / 1e3)               # the gap between calls is not counted
     assert c.top == [("conv", 2.0, 20.0), ("add", 1.0, 10.0)]
+    assert c.by_name == {"conv": (2.0, 20.0), "add": (1.0, 10.0)}   # every name, per call
+
+
+def test_kernel_diff_puts_the_largest_change_first():
+    base = {"conv": (10.0, 200.0), "bn": (5.0, 50.0), "copy": (1.0, 5.0)}
+    other = {"conv": (12.0, 245.0), "bn": (5.0, 49.0), "bn_act": (3.0, 30.0)}
+    assert kernels.kernel_diff(base, other) == [
+        ("conv", 2.0, 45.0), ("bn_act", 3.0, 30.0), ("copy", -1.0, -5.0), ("bn", 0.0, -1.0)]
+    assert kernels.kernel_diff(base, other, top=1) == [("conv", 2.0, 45.0)]
+    assert kernels.kernel_diff({}, {}) == []
 
 
 def test_summarize_keeps_the_costliest_names_only():
@@ -72,4 +82,5 @@ def test_census_of_a_graph_replay_counts_its_kernels():
     assert c.calls == 10 and c.kernels == pytest.approx(3)
     assert 0 < c.busy_ms <= c.kernel_ms + 1e-9 and c.busy_ms <= c.span_ms + 1e-9
     assert sum(count for _, count, _ in c.top) == pytest.approx(3)
+    assert sum(n for n, _ in c.by_name.values()) == pytest.approx(3)
     del y

@@ -288,6 +288,28 @@ def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
     assert "### TENSILE at the authors' memory saving" in text and "| in 1 of 3 runs |" in text
 
 
+def test_census_table_splits_a_captured_steps_added_time_into_kernels_and_idle(tmp_path):
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    graph = dict(census_kernels=300, census_kernel_ms=10.9, census_busy_ms=10.8,
+                 census_by_name={"conv": [100, 6000.0], "bn": [50, 1000.0]})
+    ours = dict(census_kernels=340, census_kernel_ms=11.5, census_busy_ms=11.4,
+                census_by_name={"conv": [111, 6250.0], "bn": [50, 1000.0], "_bn_act_kernel": [23, 290.0]})
+    _tensile_row(store, "vanilla", 20.0, 1650.0, 0.0, 0.0, run_id="a")
+    _tensile_row(store, "graph", 11.2, 1660.0, 0.0, -0.4, run_id="a", **graph)
+    _tensile_row(store, "tensile_graph(match_peak=checkpoint_graph)", 11.9, 950.0, 0.43, -0.4,
+                 run_id="a", **ours)
+    _tensile_row(store, "tensile_graph(max_overhead=0.1)", 12.0, 900.0, 0.45, -0.4, run_id="b",
+                 **ours)                                   # no graph of its own job: left out
+    _tensile_row(store, "checkpoint_graph", 13.9, 953.0, 0.42, -0.3, run_id="a")   # not counted
+    table = report.tensile_census_table(report.load_rows(tmp_path / "h200", every_row=True))
+    assert list(table["method"]) == ["tensile_graph(match_peak=checkpoint_graph)"]
+    line = table.iloc[0]
+    assert (line["added ms"], line["kernels added ms"], line["idle added ms"]) == (0.7, 0.6, 0.1)
+    assert line["kernels grown most (us per step)"] == "_bn_act_kernel +290; conv +250; bn +0"
+    text = report.write_report(tmp_path / "h200").read_text()
+    assert "### Where a captured step's extra time goes" in text
+
+
 def test_capped_settings_say_which_methods_train_the_job(tmp_path):
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
     base = dict(experiment="tensile", model="resnet50", batch_size=256, device="cuda",

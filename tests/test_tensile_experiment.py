@@ -278,6 +278,8 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.match_msr=paper", "experiment.methods=[vanilla,tensile_graph]"],
      r"the TENSILE authors give no MSR for small at batch 4 \(they give vgg16 at batch 16, .*"
      r"densenet121 at batch 16\); give a number"),
+    (["experiment.census=yes"], "experiment.census must be true or false, got 'yes'"),
+    (["experiment.census=true"], r"experiment.census counts the CUDA kernels .*: it needs device=cuda"),
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
@@ -610,6 +612,28 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
     capped = [r for r in read_rows(tmp_path / gpu / "tensile.csv") if "memfrac" in r["mode"]]
     assert capped[0]["status"] == "error"
     assert capped[0]["reason"].startswith("out of memory at memory_fraction=1e-06")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_census_says_where_a_captured_steps_time_goes(small, tmp_path):
+    from experiments.env import gpu_slug
+    from experiments import report
+    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint_graph]", "experiment.census=true",
+               "experiment.image_size=64", device="cuda")
+    run.run_config(cfg)
+    rows = _rows(tmp_path, gpu_slug())
+    assert "census_busy_ms" not in rows["vanilla"]["extra"]      # eager steps are not counted
+    for name in ("graph", "checkpoint_graph"):
+        e = rows[name]["extra"]
+        assert e["census_kernels"] > 0 and 0 < e["census_busy_ms"] <= e["census_kernel_ms"] + 1e-6
+        assert e["census_busy_ms"] <= float(rows[name]["mean_ms"]) * 1.5
+        assert e["census_by_name"] and all(us >= tensile_run.CENSUS_MIN_US
+                                           for _, us in e["census_by_name"].values())
+    table = report.tensile_census_table(report.load_rows(tmp_path / gpu_slug(), every_row=True))
+    line = table.set_index("method").loc["checkpoint_graph"]
+    # checkpointing reruns each block's forward: kernels added, and the conv kernels grew
+    assert line["kernels added ms"] > 0 and line["kernels grown most (us per step)"]
 
 
 @pytest.mark.gpu
