@@ -60,6 +60,13 @@ def _cfg(tmp_path, *overrides, device="cpu"):
                      f"results_dir={tmp_path}", *overrides])
 
 
+def _gpu_rows(tmp_path, *overrides):
+    """Run the experiment on CUDA with ``overrides``; its rows by method."""
+    from experiments.env import gpu_slug
+    run.run_config(_cfg(tmp_path, *overrides, device="cuda"))
+    return _rows(tmp_path, gpu_slug())
+
+
 def _rows(tmp_path, gpu="cpu"):
     rows = read_rows(tmp_path / gpu / "tensile.csv")
     for r in rows:
@@ -619,10 +626,8 @@ def test_gpu_rows_have_memory_ratios_and_a_tiny_cap_runs_out_of_memory(small, tm
 def test_gpu_census_says_where_a_captured_steps_time_goes(small, tmp_path):
     from experiments.env import gpu_slug
     from experiments import report
-    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,checkpoint_graph]", "experiment.census=true",
-               "experiment.image_size=64", device="cuda")
-    run.run_config(cfg)
-    rows = _rows(tmp_path, gpu_slug())
+    rows = _gpu_rows(tmp_path, "experiment.methods=[vanilla,checkpoint_graph]", "experiment.census=true",
+                     "experiment.image_size=64")
     assert "census_busy_ms" not in rows["vanilla"]["extra"]      # eager steps are not counted
     for name in ("graph", "checkpoint_graph"):
         e = rows[name]["extra"]
@@ -639,11 +644,8 @@ def test_gpu_census_says_where_a_captured_steps_time_goes(small, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_tensile_graph_plans_to_a_memory_saving(small, tmp_path):
-    from experiments.env import gpu_slug
-    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,tensile_graph]", "experiment.match_msr=0.3",
-               "experiment.image_size=64", device="cuda")
-    run.run_config(cfg)
-    rows = _rows(tmp_path, gpu_slug())
+    rows = _gpu_rows(tmp_path, "experiment.methods=[vanilla,tensile_graph]", "experiment.match_msr=0.3",
+                     "experiment.image_size=64")
     vanilla, graph, ours = rows["vanilla"], rows["graph"], rows["tensile_graph(match_msr=0.3)"]
     assert ours["status"] == "ok", ours["reason"]
     e = ours["extra"]
@@ -658,11 +660,8 @@ def test_gpu_tensile_graph_plans_to_a_memory_saving(small, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_tensile_graph_plans_to_a_built_ins_measured_peak(small, tmp_path):
-    from experiments.env import gpu_slug
-    cfg = _cfg(tmp_path, "experiment.methods=[vanilla,tensile_graph,checkpoint_graph]",
-               "experiment.match_peak=checkpoint_graph", "experiment.image_size=64", device="cuda")
-    run.run_config(cfg)
-    rows = _rows(tmp_path, gpu_slug())
+    rows = _gpu_rows(tmp_path, "experiment.methods=[vanilla,tensile_graph,checkpoint_graph]",
+                     "experiment.match_peak=checkpoint_graph", "experiment.image_size=64")
     ck, ours = rows["checkpoint_graph"], rows["tensile_graph(match_peak=checkpoint_graph)"]
     assert ck["status"] == "ok" and ours["status"] == "ok", (ck["reason"], ours["reason"])
     e = ours["extra"]
