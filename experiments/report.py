@@ -462,11 +462,26 @@ TENSILE_METRICS = ("msr", "msr_reserved", "eor", "cbr", "passive_share", "planne
                    "msr_vs_graph", "eor_vs_graph")
 
 
+def _ok_tensile(df: pd.DataFrame) -> pd.DataFrame:
+    """The full-protocol ok TENSILE-experiment rows of ``df``."""
+    return df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
+
+
 def _tensile_rows(df: pd.DataFrame):
     """Each full-protocol ok TENSILE-experiment row, with its ``extra`` JSON as a dict."""
-    rows = df[(df["experiment"] == "tensile") & (df["status"] == "ok") & ~df["smoke"]]
-    for _, r in rows.iterrows():
+    for _, r in _ok_tensile(df).iterrows():
         yield r, json.loads(r["extra"]) if r["extra"] else {}
+
+
+# a TENSILE job: one process's measurements of one model, batch and setting
+_JOB = ["run_id", "model", "batch_size", "mode"]
+
+
+def _earlier_in_job(ok: pd.DataFrame, r: pd.Series) -> pd.DataFrame:
+    """The rows of ``ok`` measured before row ``r`` in its job (:func:`load_rows` with
+    ``every_row`` keeps the order measured)."""
+    job = ok.loc[:r.name - 1]
+    return job[(job[_JOB] == r[_JOB]).all(axis=1)]
 
 
 def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
@@ -656,15 +671,13 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     (``graph``) before it. ``speedup`` = built-in time / TENSILE time (mean steps);
     ``ceiling`` = built-in time / graph time, the most any plan reaches (a plan adds work to
     the unplanned step, never removes it). ``rows``: :func:`load_rows` with ``every_row``."""
-    ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]]
-    same = ["run_id", "model", "batch_size", "mode"]
+    ok = _ok_tensile(rows)
     lines = []
     for r, extra in _tensile_rows(rows):
         target = extra.get("match_peak")
         if not target:
             continue
-        job = ok.loc[:r.name - 1]   # measured before it (load_rows keeps the order measured)
-        job = job[(job[same] == r[same]).all(axis=1)]
+        job = _earlier_in_job(ok, r)
         builtin = job[(job["backend"] == target) & (job["peak_mem_mb"] == extra["match_target_mb"])]
         graph = job[job["backend"] == "graph"]
         if not len(builtin):
@@ -698,14 +711,13 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
     (step minus busy time: the GPU waiting on copies, events or the host), with the kernel
     names whose time grew most. ``rows``: :func:`load_rows` with ``every_row``."""
     from experiments.kernels import kernel_diff
-    ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]]
-    same = ["run_id", "model", "batch_size", "mode"]
+    ok = _ok_tensile(rows)
     lines = []
     for r, extra in _tensile_rows(rows):
         if r["backend"] == "graph" or extra.get("census_busy_ms") is None:
             continue
-        job = ok.loc[:r.name - 1]   # measured before it (load_rows keeps the order measured)
-        job = job[(job[same] == r[same]).all(axis=1) & (job["backend"] == "graph")]
+        job = _earlier_in_job(ok, r)
+        job = job[job["backend"] == "graph"]
         if not len(job):
             continue
         g = job.iloc[-1]
