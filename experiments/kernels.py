@@ -8,6 +8,11 @@ call are told from the next's. Per call (means over the calls):
 * ``kernel_ms``: their summed durations (what they cost one after the other);
 * ``busy_ms``: the time at least one of them runs (the union of their intervals: below
   ``kernel_ms`` when streams overlap);
+* ``copy_ms``: the summed durations of its memory copies (``Memcpy ...``), which the copy
+  engines run beside the kernels;
+* ``compute_busy_ms``: the time at least one task other than a copy runs: with copies
+  beside the kernels (a TENSILE plan's swaps), ``busy_ms`` counts time the compute units
+  wait as busy, this does not;
 * ``span_ms``: the call's first task start to its last task end, under the profiler (which
   slows every launch down: an eager call's span is about twice its latency);
 * ``busy_share = busy_ms / median_ms``, ``median_ms`` being the call's latency by the timing
@@ -63,6 +68,27 @@ class Census:
     top: list[tuple[str, float, float]]     # (name, launches per call, us per call), costliest first
     # every name's (launches per call, us per call): what :func:`kernel_diff` compares
     by_name: dict[str, tuple[float, float]] = field(default_factory=dict)
+    copy_ms: float = 0.0
+    compute_busy_ms: float = 0.0
+
+
+def is_copy(name: str) -> bool:
+    """Whether the profiler's GPU task ``name`` is a memory copy (run by a copy engine)."""
+    return name.startswith("Memcpy")
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """The time at least one of ``intervals`` (start, end) covers."""
+    if not intervals:
+        return 0.0
+    intervals = sorted(intervals)
+    total, (run_start, run_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > run_end:             # a gap: close the busy run so far
+            total += run_end - run_start
+            run_start = start
+        run_end = max(run_end, end)
+    return total + run_end - run_start
 
 
 def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Census:
@@ -70,6 +96,7 @@ def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Cen
     if calls < 1:
         raise ValueError(f"calls: expected at least 1, got {calls}")
     per_call: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    compute: dict[int, list[tuple[float, float]]] = defaultdict(list)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for call, name, start, end in tasks:
         if end < start:
@@ -77,30 +104,27 @@ def summarize(tasks: Iterable[tuple[int, str, float, float]], calls: int) -> Cen
         if not 0 <= call < calls:
             raise ValueError(f"task {name!r} belongs to call {call}; expected 0..{calls - 1}")
         per_call[call].append((start, end))
+        if not is_copy(name):
+            compute[call].append((start, end))
         by_name[name][0] += 1
         by_name[name][1] += end - start
     if len(per_call) < calls:
         missing = sorted(set(range(calls)) - set(per_call))
         raise ValueError(f"no GPU task was recorded in call(s) {missing[:5]}: did they run on a "
                          "CUDA device?")
-    busy_us = span_us = 0.0
-    for intervals in per_call.values():
-        intervals.sort()
-        span_us += max(end for _, end in intervals) - intervals[0][0]
-        run_start, run_end = intervals[0]
-        for start, end in intervals[1:]:
-            if start > run_end:             # a gap: close the busy run so far
-                busy_us += run_end - run_start
-                run_start = start
-            run_end = max(run_end, end)
-        busy_us += run_end - run_start
+    busy_us = sum(_union_us(intervals) for intervals in per_call.values())
+    compute_us = sum(_union_us(intervals) for intervals in compute.values())
+    span_us = sum(max(end for _, end in intervals) - min(start for start, _ in intervals)
+                  for intervals in per_call.values())
     kernel_us = sum(total for _, total in by_name.values())
     every = {name: (count / calls, total / calls) for name, (count, total) in by_name.items()}
     top = sorted(every.items(), key=lambda kv: -kv[1][1])[:TOP]
     return Census(calls=calls, kernels=sum(map(len, per_call.values())) / calls,
                   kernel_ms=kernel_us / calls / 1e3, busy_ms=busy_us / calls / 1e3,
                   span_ms=span_us / calls / 1e3,
-                  top=[(name, count, us) for name, (count, us) in top], by_name=every)
+                  top=[(name, count, us) for name, (count, us) in top], by_name=every,
+                  copy_ms=sum(t for n, (_, t) in by_name.items() if is_copy(n)) / calls / 1e3,
+                  compute_busy_ms=compute_us / calls / 1e3)
 
 
 def kernel_diff(base: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]],
@@ -161,7 +185,8 @@ def measure_backend(name: str, batch_size: int, backend: str, *, iters: int = 20
     timing = measure(result.fn, (x,), warmup=50, iters=iters)
     found = asdict(census(result.fn, (x,)))
     top = found.pop("top")
-    found.pop("by_name")    # the row keeps the costliest names (top_kernels)
+    for key in ("by_name", "copy_ms", "compute_busy_ms"):   # the row keeps COLUMNS' figures
+        found.pop(key)
     return {**row, "status": "ok", "reason": "", "median_ms": timing.median_ms,
             "prepare_s": round(result.prepare_s, 2), **found,
             "busy_share": found["busy_ms"] / timing.median_ms,

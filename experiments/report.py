@@ -707,14 +707,17 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
     """``experiment.census``: per captured method counted under the profiler, beside the
     captured vanilla step (``graph``) of its own job (the latest measured before it, same
     run, model, batch and setting): its step (mean ms) and, per step, the time it adds over
-    ``graph``, split into kernel time added (its summed kernels) and GPU idle time added
-    (step minus busy time: the GPU waiting on copies, events or the host), with the kernel
-    names whose time grew most. ``rows``: :func:`load_rows` with ``every_row``."""
-    from experiments.kernels import kernel_diff
+    ``graph``, split into kernel time added (its summed kernels, copies not counted) and
+    compute idle time added (step minus the time a kernel runs: the compute units waiting
+    on copies, events or the host), the time its copies take (beside the kernels), and the
+    kernel names whose time grew most. Rows counted before copies were told apart from
+    kernels (no ``census_compute_busy_ms``) are left out. ``rows``: :func:`load_rows` with
+    ``every_row``."""
+    from experiments.kernels import is_copy, kernel_diff
     ok = _ok_tensile(rows)
     lines = []
     for r, extra in _tensile_rows(rows):
-        if r["backend"] == "graph" or extra.get("census_busy_ms") is None:
+        if r["backend"] == "graph" or extra.get("census_compute_busy_ms") is None:
             continue
         job = _earlier_in_job(ok, r)
         job = job[job["backend"] == "graph"]
@@ -722,20 +725,25 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
             continue
         g = job.iloc[-1]
         base = json.loads(g["extra"]) if g["extra"] else {}
-        if base.get("census_busy_ms") is None:
+        if base.get("census_compute_busy_ms") is None:
             continue
-        idle, base_idle = r["mean_ms"] - extra["census_busy_ms"], g["mean_ms"] - base["census_busy_ms"]
-        grown = kernel_diff(base.get("census_by_name", {}), extra.get("census_by_name", {}), top=3)
+        idle = r["mean_ms"] - extra["census_compute_busy_ms"]
+        base_idle = g["mean_ms"] - base["census_compute_busy_ms"]
+        kernels = extra["census_kernel_ms"] - extra["census_copy_ms"]
+        base_kernels = base["census_kernel_ms"] - base["census_copy_ms"]
+        grown = kernel_diff(*({n: v for n, v in e.get("census_by_name", {}).items() if not is_copy(n)}
+                              for e in (base, extra)), top=3)
         lines.append({"model": r["model"], "batch": int(r["batch_size"]), "method": r["backend"],
                       "step ms": round(r["mean_ms"], 3), "graph ms": round(g["mean_ms"], 3),
                       "added ms": round(r["mean_ms"] - g["mean_ms"], 3),
-                      "kernels added ms": round(extra["census_kernel_ms"] - base["census_kernel_ms"], 3),
+                      "kernels added ms": round(kernels - base_kernels, 3),
                       "idle added ms": round(idle - base_idle, 3),
+                      "copies ms": round(extra["census_copy_ms"], 3),
                       "kernels grown most (us per step)": "; ".join(
                           f"{name[:48]} {us:+.0f}" for name, _, us in grown),
                       "commit": str(r["commit"])[:7]})
     cols = ["model", "batch", "method", "step ms", "graph ms", "added ms", "kernels added ms",
-            "idle added ms", "kernels grown most (us per step)", "commit"]
+            "idle added ms", "copies ms", "kernels grown most (us per step)", "commit"]
     return pd.DataFrame(lines, columns=cols)
 
 
@@ -1308,9 +1316,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
             md += ["### Where a captured step's extra time goes", "",
                    "`experiment.census=true`: ten steps of each captured method under the "
                    "profiler, against the captured vanilla step (`graph`) of the same job. added = "
-                   "step − graph's step (mean ms); kernels added = summed kernel time over graph's; "
-                   "idle added = (step − busy time) over graph's: the GPU waiting on copies, events "
-                   "or the host.", "", md_table(census), ""]
+                   "step − graph's step (mean ms); kernels added = summed kernel time (copies not "
+                   "counted) over graph's; idle added = (step − time a kernel runs) over graph's: "
+                   "the compute units waiting on copies, events or the host; copies = the summed "
+                   "time of the step's memory copies, which run beside the kernels.", "", md_table(census), ""]
         equal = tensile_equal_peak_table(every_row)
         if len(equal):
             md += ["### TENSILE at a built-in's memory, same job", "",

@@ -650,13 +650,18 @@ CENSUS_MIN_US = 1.0
 def step_census(call: Callable[[tuple], None], batch: tuple, steps: int = 10) -> dict:
     """Where a captured step's time goes on the GPU (:func:`experiments.kernels.census` of
     ``steps`` steps, each alone): per step the GPU tasks (``census_kernels``), their summed
-    time (``census_kernel_ms``), the time at least one runs (``census_busy_ms``) and, per
-    kernel name taking at least ``CENSUS_MIN_US``, launches and us (``census_by_name``), for
-    the report's comparison with the captured vanilla step of the same job."""
+    time (``census_kernel_ms``), of which memory copies (``census_copy_ms``), the time at
+    least one runs (``census_busy_ms``), the time at least one task other than a copy runs
+    (``census_compute_busy_ms``: a step's time beyond it is the compute units waiting, on
+    copies, events or the host) and, per kernel name taking at least ``CENSUS_MIN_US``,
+    launches and us (``census_by_name``), for the report's comparison with the captured
+    vanilla step of the same job."""
     from experiments.kernels import census
     found = census(lambda *b: call(b), batch, calls=steps, warmup=2, no_grad=False)
     return {"census_kernels": round(found.kernels, 1), "census_kernel_ms": round(found.kernel_ms, 4),
-            "census_busy_ms": round(found.busy_ms, 4), "census_span_ms": round(found.span_ms, 4),
+            "census_copy_ms": round(found.copy_ms, 4), "census_busy_ms": round(found.busy_ms, 4),
+            "census_compute_busy_ms": round(found.compute_busy_ms, 4),
+            "census_span_ms": round(found.span_ms, 4),
             "census_by_name": {name[:120]: [round(n, 2), round(us, 2)]
                                for name, (n, us) in found.by_name.items() if us >= CENSUS_MIN_US}}
 

@@ -18,6 +18,18 @@ def test_summarize_counts_overlap_once_and_gaps_not_at_all():
     assert c.span_ms == pytest.approx(50 / 1e3)               # the gap between calls is not counted
     assert c.top == [("conv", 2.0, 20.0), ("add", 1.0, 10.0)]
     assert c.by_name == {"conv": (2.0, 20.0), "add": (1.0, 10.0)}   # every name, per call
+    assert c.copy_ms == 0 and c.compute_busy_ms == c.busy_ms
+
+
+def test_summarize_tells_copies_beside_kernels_from_compute():
+    # a copy engine's copy spans a gap between two kernels: the GPU is busy, its compute units wait
+    tasks = [(0, "conv", 0.0, 10.0), (0, "Memcpy DtoH (Device -> Pinned)", 5.0, 40.0),
+             (0, "conv", 30.0, 50.0)]
+    c = kernels.summarize(tasks, calls=1)
+    assert c.kernel_ms == pytest.approx(65 / 1e3) and c.copy_ms == pytest.approx(35 / 1e3)
+    assert c.busy_ms == pytest.approx(50 / 1e3)               # [0, 50]
+    assert c.compute_busy_ms == pytest.approx(30 / 1e3)       # [0, 10] and [30, 50]
+    assert kernels.is_copy("Memcpy HtoD (Pinned -> Device)") and not kernels.is_copy("memset32")
 
 
 def test_kernel_diff_puts_the_largest_change_first():

@@ -290,10 +290,15 @@ def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
 
 def test_census_table_splits_a_captured_steps_added_time_into_kernels_and_idle(tmp_path):
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
-    graph = dict(census_kernels=300, census_kernel_ms=10.9, census_busy_ms=10.8,
-                 census_by_name={"conv": [100, 6000.0], "bn": [50, 1000.0]})
-    ours = dict(census_kernels=340, census_kernel_ms=11.5, census_busy_ms=11.4,
-                census_by_name={"conv": [111, 6250.0], "bn": [50, 1000.0], "_bn_act_kernel": [23, 290.0]})
+    graph = dict(census_kernels=300, census_kernel_ms=10.9, census_copy_ms=0.0, census_busy_ms=10.8,
+                 census_compute_busy_ms=10.8, census_by_name={"conv": [100, 6000.0], "bn": [50, 1000.0]})
+    # swaps: 2 ms of copies beside the kernels; they keep the GPU "busy" but not its compute units
+    ours = dict(census_kernels=344, census_kernel_ms=13.5, census_copy_ms=2.0, census_busy_ms=11.8,
+                census_compute_busy_ms=11.4,
+                census_by_name={"conv": [111, 6250.0], "bn": [50, 1000.0], "_bn_act_kernel": [23, 290.0],
+                                "Memcpy DtoH (Device -> Pinned)": [2, 1000.0],
+                                "Memcpy HtoD (Pinned -> Device)": [2, 1000.0]})
+    old = {k: v for k, v in ours.items() if k not in ("census_copy_ms", "census_compute_busy_ms")}
     _tensile_row(store, "vanilla", 20.0, 1650.0, 0.0, 0.0, run_id="a")
     _tensile_row(store, "graph", 11.2, 1660.0, 0.0, -0.4, run_id="a", **graph)
     _tensile_row(store, "tensile_graph(match_peak=checkpoint_graph)", 11.9, 950.0, 0.43, -0.4,
@@ -301,10 +306,13 @@ def test_census_table_splits_a_captured_steps_added_time_into_kernels_and_idle(t
     _tensile_row(store, "tensile_graph(max_overhead=0.1)", 12.0, 900.0, 0.45, -0.4, run_id="b",
                  **ours)                                   # no graph of its own job: left out
     _tensile_row(store, "checkpoint_graph", 13.9, 953.0, 0.42, -0.3, run_id="a")   # not counted
+    _tensile_row(store, "tensile_graph(allow_swaps=false)", 11.9, 950.0, 0.43, -0.4, run_id="a",
+                 **old)                   # counted before copies were told apart: left out
     table = report.tensile_census_table(report.load_rows(tmp_path / "h200", every_row=True))
     assert list(table["method"]) == ["tensile_graph(match_peak=checkpoint_graph)"]
     line = table.iloc[0]
     assert (line["added ms"], line["kernels added ms"], line["idle added ms"]) == (0.7, 0.6, 0.1)
+    assert line["copies ms"] == 2.0
     assert line["kernels grown most (us per step)"] == "_bn_act_kernel +290; conv +250; bn +0"
     text = report.write_report(tmp_path / "h200").read_text()
     assert "### Where a captured step's extra time goes" in text
