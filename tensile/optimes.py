@@ -127,11 +127,14 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
 
     Both are measured on ``device``, once per distinct input shape, dtype and fused ops, on
     random data: on CUDA each as a CUDA graph of at least ``repeats`` calls (a captured step
-    runs them back to back), each call on the next of enough copies of its inputs that none
-    is still in the L2 cache (:func:`cold_copies`: in a step the op's input was written long
-    before; timed on one warm input, the 23 rebuilds of a ResNet-50 plan were priced at
-    0.250 ms and ran 0.287 ms in the step), elsewhere by wall time (median of ``repeats``). A shape that does not fit in memory
-    now is left out: the planner then prices its recompute at the whole op.
+    runs them back to back), elsewhere by wall time (median of ``repeats``). Each is timed
+    as a step finds its input: the op on one input, which stays in the L2 cache between
+    calls as the convolution that just wrote it leaves it in a forward pass; the rebuild on
+    the next of enough copies that none is still cached (:func:`cold_copies`), as backward
+    finds a tensor written long before. (Timed both warm, the 23 rebuilds of a ResNet-50 plan
+    were priced at 0.250 ms and ran 0.287 ms in the step; both cold, the shares came out
+    lower still: the op slows down more.) A shape that does not fit in memory now is left
+    out: the planner then prices its recompute at the whole op.
     """
     device = torch.device(device)
     measured: dict[tuple, float | None] = {}
@@ -205,10 +208,10 @@ def _apply_share(shape: tuple[int, ...], dtype: torch.dtype, joined: tuple[str, 
     residuals = [torch.randn_like(x) for x in xs] if "add_" in joined else [None] * copies
     weight, bias = torch.ones(c, dtype=dtype, device=device), torch.zeros(c, dtype=dtype, device=device)
     running = [torch.zeros(c, dtype=dtype, device=device), torch.ones(c, dtype=dtype, device=device)]
-    turn = itertools.cycle(range(copies))   # each call on the next copy: its input cold
+    turn = itertools.cycle(range(copies))   # each rebuild on the next copy: its input cold
 
-    def op():   # the op a training-mode nn.BatchNorm runs (cuDNN's on CUDA)
-        return torch.ops.aten._batch_norm_with_update(xs[next(turn)], weight, bias, *running, 0.1, eps)
+    def op():   # the op a training-mode nn.BatchNorm runs (cuDNN's on CUDA), its input warm
+        return torch.ops.aten._batch_norm_with_update(xs[0], weight, bias, *running, 0.1, eps)
 
     _, mean, invstd, _ = op()
 

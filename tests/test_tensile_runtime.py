@@ -695,3 +695,32 @@ def test_rerun_shares_time_each_call_on_inputs_out_of_the_l2_cache():
              OpNode(1, "aten.relu_.default", phase="forward", input_shapes=[shape], reads=[1], writes=[1])]
     shares = batch_norm_rerun_shares(TaskGraph(nodes=nodes, edges=[]), "cpu", repeats=3)
     assert set(shares) == {0, 1} and shares[0] >= 1e-3 and shares[1] == 0.0
+
+
+def test_rerun_shares_time_the_op_on_a_warm_input_and_the_rebuild_on_cold_ones(monkeypatch):
+    """As a step finds them: the batch norm right after the convolution that wrote its input
+    (one input, cached), the rebuild in backward long after (each call on the next copy)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from nimble.graph import OpNode, TaskGraph
+    from tensile import optimes
+    shape = (4, 8, 16, 16)                                  # 32 KiB of float32
+    monkeypatch.setattr(optimes, "_l2_bytes", lambda device: 64 * 1024)   # 4 copies fill it twice
+    rebuilt, ran = [], []
+
+    def apply(x, *args):
+        rebuilt.append(x.data_ptr())
+        return x.clone()
+    monkeypatch.setattr(optimes, "_batch_norm_apply", apply)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "_batch_norm_with_update" in str(func):
+                ran.append(args[0].data_ptr())
+            return func(*args, **(kwargs or {}))
+    node = OpNode(0, "aten.native_batch_norm.default", phase="forward", input_shapes=[shape, (8,)],
+                  input_dtypes=["torch.float32"], output_shapes=[shape, (8,), (8,)], reads=[0], writes=[1])
+    with Ops():
+        shares = optimes.batch_norm_rerun_shares(TaskGraph(nodes=[node], edges=[]), "cpu", repeats=8)
+    assert set(shares) == {0}
+    assert len(ran) > 1 and len(set(ran)) == 1                # the op: always the same input
+    assert len(set(rebuilt)) == 4                             # the rebuild: each of the 4 copies
