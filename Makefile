@@ -33,6 +33,7 @@ analysis: venv
 	$(PY) -m experiments.analysis
 	$(PY) -m experiments.tensile_plans
 	$(PY) -m experiments.tensile_plans --stream-optimizer 16 --max-overhead 0,0.1,0.3
+	$(PY) -m experiments.tensile_bounds
 
 report: venv
 	$(PY) -m experiments.report

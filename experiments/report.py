@@ -670,7 +670,11 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     setting, the latest measured before it with that peak) and the captured vanilla step
     (``graph``) before it. ``speedup`` = built-in time / TENSILE time (mean steps);
     ``ceiling`` = built-in time / graph time, the most any plan reaches (a plan adds work to
-    the unplanned step, never removes it). ``rows``: :func:`load_rows` with ``every_row``."""
+    the unplanned step, never removes it). Over the graph step: ``allowed ms`` what the
+    target leaves, ``priced ms`` what the planner priced its plan at, ``bound ms`` the least
+    any plan of its moves could be priced at (:meth:`tensile.Scheduler.bound`, on the same op
+    times; rows from before it was recorded leave it empty). ``rows``: :func:`load_rows`
+    with ``every_row``."""
     ok = _ok_tensile(rows)
     lines = []
     for r, extra in _tensile_rows(rows):
@@ -691,6 +695,11 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "speedup": round(b["mean_ms"] / r["mean_ms"], 3),
                 "graph ms": round(graph.iloc[-1]["mean_ms"], 3) if len(graph) else None,
                 "ceiling": round(b["mean_ms"] / graph.iloc[-1]["mean_ms"], 3) if len(graph) else None,
+                "allowed ms": (round(b["mean_ms"] / EQUAL_PEAK_TARGET - graph.iloc[-1]["mean_ms"], 3)
+                               if len(graph) else None),
+                "priced ms": _round(extra.get("plan_overhead_ms")),
+                "bound ms": _round(extra.get("bound_ms" if "allow_swaps=false" in r["backend"]
+                                             else "bound_swaps_ms")),
                 "commit": str(r["commit"])[:7]}
         met = line["peak met"] and line["speedup"] >= EQUAL_PEAK_TARGET
         line["verdict"] = ("met" if met else
@@ -699,7 +708,8 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
                            else "not met")
         lines.append(line)
     cols = ["model", "batch", "TENSILE", "built-in", "built-in ms", "built-in MiB", "TENSILE ms",
-            "TENSILE MiB", "peak met", "tries", "speedup", "graph ms", "ceiling", "verdict", "commit"]
+            "TENSILE MiB", "peak met", "tries", "speedup", "graph ms", "ceiling", "allowed ms",
+            "priced ms", "bound ms", "verdict", "commit"]
     return pd.DataFrame(lines, columns=cols)
 
 
@@ -780,6 +790,11 @@ def tensile_authors_saving_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.
     order = {m: i for i, m in enumerate(paper["model"])}   # the authors' order, then variant
     return table.sort_values(["model", "variant"], key=lambda c: c.map(order) if c.name == "model" else c,
                              kind="stable").reset_index(drop=True)
+
+
+def _round(value: float | None, places: int = 3) -> float | None:
+    """``value`` rounded, or None where it is missing."""
+    return None if value is None else round(value, places)
 
 
 def _span(values: pd.Series) -> str:
@@ -1327,7 +1342,11 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "measured earlier in the same process (`experiment.match_peak`; re-planned and "
                    "captured until its peak is no higher, `tries`). speedup = built-in ms / TENSILE "
                    f"ms (mean steps; target {EQUAL_PEAK_TARGET}x); ceiling = built-in ms / captured "
-                   "vanilla (`graph`) ms, the most any plan can reach.", "", md_table(equal), ""]
+                   "vanilla (`graph`) ms, the most any plan can reach. Over the graph step: allowed "
+                   f"= built-in ms / {EQUAL_PEAK_TARGET} − graph ms (what the target leaves); priced "
+                   "= what the planner priced its plan at; bound = the least any plan of rebuilds "
+                   "(and swaps, where allowed) could be priced at on the same op times "
+                   "(`tensile.bound`).", "", md_table(equal), ""]
         plans = _read_csv(results_dir / "analysis" / "tensile_plans.csv")
         figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile, plans)
         if plans is not None and (plans["status"] == "ok").any():

@@ -4,12 +4,14 @@
 
 On a CUDA host: the stream analysis, each sweep preset through the Hydra app in a subprocess
 (``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
-measured are skipped), TENSILE's plans worked out on the CPU for this GPU's step times, the
+measured are skipped), TENSILE's plans (and its equal-peak jobs' bounds) worked out on the CPU
+for this GPU's step times, the
 several-jobs settings, the concurrency headroom, a kernel census, one profiler trace for the per-stream
 timeline, then the report.
 
 On a host without CUDA: the stream analysis, TENSILE's plans for the H200's committed step
-times (:mod:`experiments.tensile_plans`), the CPU-capable backends on one small model with
+times (:mod:`experiments.tensile_plans`) and its equal-peak jobs against the bound on any plan
+(:mod:`experiments.tensile_bounds`), the CPU-capable backends on one small model with
 quick timing (rows in ``results/cpu/inference.csv``, smoke rows by definition), the report rebuilt
 from the committed results, and a plain list of what was not run and why.
 """
@@ -72,11 +74,16 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         return (f"TENSILE plans of captured steps, {what}worked out on the CPU (step times of {gpu})",
                 [sys.executable, "-m", "experiments.tensile_plans", "--gpu", gpu,
                  "--results", str(RESULTS), "--out", str(RESULTS / "analysis"), *extra])
+    def tensile_bounds(gpu: str) -> tuple[str, list[str]]:
+        return (f"TENSILE at a built-in's peak against the bound on any plan, on the CPU ({gpu}'s jobs)",
+                [sys.executable, "-m", "experiments.tensile_bounds", "--gpu", gpu,
+                 "--results", str(RESULTS), "--out", str(RESULTS / "analysis")])
     if cuda:
         from experiments.env import gpu_slug
         steps = [analysis]
         steps += [(f"sweep {s}", _app(f"+sweep={s}")) for s in sweeps]
-        steps += [tensile_plans(gpu_slug()), tensile_plans(gpu_slug(), streamed=True)]
+        steps += [tensile_plans(gpu_slug()), tensile_plans(gpu_slug(), streamed=True),
+                  tensile_bounds(gpu_slug())]
         steps += [(f"TENSILE, several jobs: {' '.join(args)}",
                    [sys.executable, "-m", "experiments.tensile_multi", *args])
                   for args in TENSILE_MULTI]
@@ -92,7 +99,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
                           _app(f"model={TRACE_MODEL}", "backends=[nimble]", "trace=true", "redo=true")))
         return steps + [report], []
     steps = [analysis, tensile_plans("h200"), tensile_plans("h200", streamed=True),
-             ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
+             tensile_bounds("h200"), ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")

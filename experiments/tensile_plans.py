@@ -38,12 +38,14 @@ from experiments.models import build_model, example_input, get_model
 from experiments.report import load_rows
 from experiments.tensile_run import _drop_aux_head
 from tensile.estimate import estimate_op_times, scaled_op_times
+from tensile.optimes import batch_norm_rerun_shares
 from tensile.planner import plan
 from tensile.record import record_step
 from tensile.step import training_step
 from tensile.streamed import DEFAULT_PREFETCH, stream_optimizer
+from tensile.timeline import AccessTimeline
 
-__all__ = ["COLUMNS", "captured_step", "plan_model", "run_plans"]
+__all__ = ["COLUMNS", "captured_step", "recorded_timeline", "plan_model", "run_plans"]
 
 MB = 2 ** 20
 TENSILE_CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment" / "tensile.yaml"
@@ -86,6 +88,34 @@ def captured_step(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
     return None
 
 
+def recorded_timeline(name: str, batch_size: int, measured: dict | None, stream_groups: int = 0,
+                      bn_share: float | None = None) -> tuple[AccessTimeline, float, float, float]:
+    """One training step of ``name`` recorded on the CPU and timed for planning: (timeline,
+    step ms, d2h GB/s, h2d GB/s). Op times have their roofline shape, scaled to the step of
+    ``measured`` (:func:`captured_step`; None: the roofline sum), copies its bandwidths.
+    ``stream_groups``: the optimizer streamed (:func:`tensile.stream_optimizer`);
+    ``bn_share``: batch norms rebuilt from their statistics at that share of their time
+    (``Scheduler(..., batch_norm_from_stats=True)``, a share the GPU measured)."""
+    torch.manual_seed(0)
+    exp = OmegaConf.load(TENSILE_CONF)   # the TENSILE experiment's inputs and classes
+    model = _drop_aux_head(build_model(name, num_classes=exp.num_classes)).train()
+    opt = torch.optim.Adam(model.parameters(), lr=exp.lr)
+    if stream_groups:
+        stream_optimizer(opt, groups=stream_groups)
+    batch = (example_input(name, batch_size, "cpu", image_size=exp.image_size),
+             torch.randint(0, exp.num_classes, (batch_size,)))
+    training_step(model, opt, batch, torch.nn.functional.cross_entropy)  # Adam's state exists
+    rec = record_step(model, opt, batch, torch.nn.functional.cross_entropy)
+    tflops = (measured or {}).get("tflops") or DEFAULT_TFLOPS
+    shape = estimate_op_times(rec.graph, tflops * 1e12, DEFAULT_TBPS * 1e12)
+    step_ms = measured["step_ms"] if measured else sum(shape)
+    shares = None if bn_share is None else batch_norm_rerun_shares(rec.graph, "cpu", share=bn_share)
+    tl = rec.timeline(scaled_op_times(shape, step_ms), shares)
+    d2h = float((measured or {}).get("d2h_gbps") or DEFAULT_GBPS)
+    h2d = float((measured or {}).get("h2d_gbps") or DEFAULT_GBPS)
+    return tl, step_ms, d2h, h2d
+
+
 def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path | None,
                stream_groups: int = 0) -> list[dict]:
     """Record ``name`` on the CPU and plan it for every ``max_overhead``: one row each
@@ -94,23 +124,8 @@ def plan_model(name: str, batch_size: int, overheads: list[float], gpu_dir: Path
     try:
         measured = captured_step(gpu_dir, name, batch_size) if gpu_dir is not None else None
         t0 = time.perf_counter()
-        torch.manual_seed(0)
-        exp = OmegaConf.load(TENSILE_CONF)   # the TENSILE experiment's inputs and classes
-        model = _drop_aux_head(build_model(name, num_classes=exp.num_classes)).train()
-        opt = torch.optim.Adam(model.parameters(), lr=exp.lr)
-        if stream_groups:
-            stream_optimizer(opt, groups=stream_groups)
-        batch = (example_input(name, batch_size, "cpu", image_size=exp.image_size),
-                 torch.randint(0, exp.num_classes, (batch_size,)))
-        training_step(model, opt, batch, torch.nn.functional.cross_entropy)  # Adam's state exists
-        rec = record_step(model, opt, batch, torch.nn.functional.cross_entropy)
+        tl, step_ms, d2h, h2d = recorded_timeline(name, batch_size, measured, stream_groups)
         record_s = time.perf_counter() - t0
-        tflops = (measured or {}).get("tflops") or DEFAULT_TFLOPS
-        shape = estimate_op_times(rec.graph, tflops * 1e12, DEFAULT_TBPS * 1e12)
-        step_ms = measured["step_ms"] if measured else sum(shape)
-        tl = rec.timeline(scaled_op_times(shape, step_ms))
-        d2h = float((measured or {}).get("d2h_gbps") or DEFAULT_GBPS)
-        h2d = float((measured or {}).get("h2d_gbps") or DEFAULT_GBPS)
     except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
         return [{**base, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}]
     source = measured["source"] if measured else "roofline (no GPU row)"

@@ -42,6 +42,7 @@ from torch import nn
 from nimble.allocator import expandable_segments
 from nimble.training import step_state_kept
 
+from .bound import extra_time_bound
 from .client import SchedulerError, TensileClient
 from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates,
                        scaled_op_times)
@@ -378,6 +379,21 @@ class Scheduler:
     def timeline(self) -> AccessTimeline:
         """The access timeline with the current op-time estimates."""
         return self.recording.timeline(self.times.op_ms, self.rerun_share)
+
+    def bound(self) -> dict:
+        """How little extra time any plan of this step's moves could cost under the budget
+        (:func:`tensile.bound.extra_time_bound` on :attr:`timeline`, the op times the
+        current plan was priced with): ``bound_ms`` with rebuilds only, ``bound_swaps_ms``
+        with swaps too (at the plan's bandwidths), beside the plan's own
+        ``plan_overhead_ms`` in :meth:`SchedulerReport.plan_figures`; None where no plan
+        of these moves fits. Empty without a budget (nothing to bound)."""
+        if self.budget_bytes is None:
+            return {}
+        tl = self.timeline
+        alone = extra_time_bound(tl, self.budget_bytes, min_bytes=self.min_bytes)
+        swapped = extra_time_bound(tl, self.budget_bytes, d2h_bw=self.plan.d2h_bytes_per_s,
+                                   h2d_bw=self.plan.h2d_bytes_per_s, min_bytes=self.min_bytes)
+        return {"bound_ms": alone.extra_ms, "bound_swaps_ms": swapped.extra_ms}
 
     def step(self, *batch) -> torch.Tensor:
         """One training step under the current plan; returns the (detached) loss."""

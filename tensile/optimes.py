@@ -116,7 +116,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
-                            repeats: int = 10) -> dict[int, float]:
+                            repeats: int = 10, share: float | None = None) -> dict[int, float]:
     """``{op: share}`` for every forward training-mode batch norm of ``graph``: the time of
     rebuilding its output from the batch statistics it returned (what a recompute runs with
     ``Scheduler(..., batch_norm_from_stats=True)``) as a share of the time of the op itself,
@@ -134,8 +134,12 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
     finds a tensor written long before. (Timed both warm, the 23 rebuilds of a ResNet-50 plan
     were priced at 0.250 ms and ran 0.287 ms in the step; both cold, the shares came out
     lower still: the op slows down more.) A shape that does not fit in memory now is left
-    out: the planner then prices its recompute at the whole op.
+    out: the planner then prices its recompute at the whole op. ``share``: give every batch
+    norm that share instead of timing any (a step recorded on the CPU, priced at a share the
+    GPU measured: :mod:`experiments.tensile_bounds`).
     """
+    if share is not None and not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1], got {share!r}")
     device = torch.device(device)
     measured: dict[tuple, float | None] = {}
     shares = {}
@@ -147,7 +151,7 @@ def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,
         key = (*key, tuple(name for _, name in joined))
         if key not in measured:
             try:
-                measured[key] = _apply_share(*key, device, repeats)
+                measured[key] = share if share is not None else _apply_share(*key, device, repeats)
             except torch.OutOfMemoryError:
                 measured[key] = None
         if measured[key] is not None:

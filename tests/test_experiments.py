@@ -497,6 +497,8 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     plain, streamed = [c for c in commands if "-m experiments.tensile_plans" in c]
     assert "--stream-optimizer" not in plain and "--stream-optimizer 16" in streamed
     assert commands.index(plain) > max(i for i, c in enumerate(commands) if "+sweep=" in c)
+    (bounds,) = [c for c in commands if "-m experiments.tensile_bounds" in c]
+    assert commands.index(bounds) > max(i for i, c in enumerate(commands) if "+sweep=" in c)
     assert skipped == []
 
 
@@ -507,6 +509,7 @@ def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     assert not any("+sweep=" in c for c in commands)
     assert any("device=cpu" in c and "timing=quick" in c for c in commands)
     assert sum("-m experiments.tensile_plans --gpu h200" in c for c in commands) == 2
+    assert sum("-m experiments.tensile_bounds --gpu h200" in c for c in commands) == 1
     assert "experiments.report" in commands[-1]
     assert all(any(s in line for line in skipped) for s in reproduce.GPU_SWEEPS)
     assert sum("TENSILE, several jobs" in line for line in skipped) == 3

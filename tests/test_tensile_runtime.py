@@ -724,3 +724,16 @@ def test_rerun_shares_time_the_op_on_a_warm_input_and_the_rebuild_on_cold_ones(m
     assert set(shares) == {0}
     assert len(ran) > 1 and len(set(ran)) == 1                # the op: always the same input
     assert len(set(rebuilt)) == 4                             # the rebuild: each of the 4 copies
+
+
+def test_a_budgeted_scheduler_says_how_little_any_plan_could_cost():
+    """Scheduler.bound: on the timeline its plan was priced with, no plan of its moves fits
+    the budget for less than the bound, so the greedy plan's estimate is at least that."""
+    _, _, _, sched = scheduled(n=1, budget=300_000, allow_cross_iteration=False, d2h_bw=1e12,
+                               h2d_bw=1e12, replan=False, allow_swaps=False)
+    bound = sched.bound()
+    assert sched.plan.feasible and sched.plan.recomputes
+    assert 0 < bound["bound_ms"] <= sched.plan.est_overhead_ms + 1e-9
+    assert bound["bound_swaps_ms"] <= bound["bound_ms"] + 1e-9    # swaps only add moves
+    _, _, _, free = scheduled(n=1, budget=None, allow_recompute=False, replan=False)
+    assert free.bound() == {}

@@ -1,0 +1,73 @@
+"""tensile.bound: the least extra time any within-iteration plan needs for a budget."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tensile.bound import extra_time_bound
+from tensile.planner import plan
+from tensile.timeline import AccessTimeline
+from test_tensile_planner import EPS, bandwidths, timelines
+
+MB = 1 << 20
+
+
+def two_activations() -> AccessTimeline:
+    """x (input) -> a (conv, 2 ms, 4 MB) -> b (relu, 0.5 ms, 4 MB) -> loss; backward makes
+    two 8 MB gradients, then reads b, then a: the peak (op 4) is where both lie idle."""
+    ops = [("aten.convolution", "forward", 2.0, [0, 9], [1]),
+           ("aten.relu", "forward", 0.5, [1], [2]),
+           ("aten.sum", "loss", 0.1, [2], [3]),
+           ("aten.mul", "backward", 0.1, [3], [4]),
+           ("aten.neg", "backward", 0.1, [4], [5]),
+           ("aten.threshold_backward", "backward", 0.5, [5, 2], [6]),
+           ("aten.convolution_backward", "backward", 2.0, [6, 1, 9], [7])]
+    sizes = {0: MB, 9: MB, 1: 4 * MB, 2: 4 * MB, 3: 4, 4: 8 * MB, 5: 8 * MB, 6: MB, 7: MB}
+    return AccessTimeline.from_ops(ops, sizes, {0: "input", 9: "param"})
+
+
+def test_no_excess_costs_nothing_and_the_cheapest_bytes_go_first():
+    tl = two_activations()
+    peak = int(tl.vanilla_curve().max())
+    assert extra_time_bound(tl, peak).extra_ms == 0.0
+    assert int(tl.vanilla_curve().argmax()) == 4
+    # 2 MB over where both a (2 ms to rebuild) and b (0.5 ms) lie idle: half of b's rerun,
+    # the cheapest per byte (the bound is fractional: a real plan rebuilds all of b)
+    b = extra_time_bound(tl, peak - 2 * MB)
+    assert b.extra_ms == pytest.approx(0.25) and b.rebuildable == 2 and not b.swaps
+    # more than b frees: the rest from a at 2 ms per 4 MB
+    assert extra_time_bound(tl, peak - 6 * MB).extra_ms == pytest.approx(0.5 + 1.0)
+    # below what dropping both frees at those ops: no plan of these moves fits
+    assert extra_time_bound(tl, peak - 9 * MB).extra_ms is None
+
+
+def test_swaps_are_free_only_as_far_as_the_copies_can_carry_them():
+    tl = two_activations()
+    budget = int(tl.vanilla_curve().max()) - 6 * MB
+    fast = extra_time_bound(tl, budget, d2h_bw=1e12, h2d_bw=1e12)
+    assert fast.swaps and fast.extra_ms == pytest.approx(0.0)
+    # 2 MB/s: by the peak (2.7 ms in) barely 5 KB can be out; the rebuilds pay for the rest
+    slow = extra_time_bound(tl, budget, d2h_bw=2e6, h2d_bw=2e6)
+    assert slow.extra_ms == pytest.approx(1.5, rel=1e-2)
+
+
+def test_bad_arguments_are_refused():
+    tl = two_activations()
+    for budget in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="budget_bytes"):
+            extra_time_bound(tl, budget)
+    with pytest.raises(ValueError, match="d2h_bw"):
+        extra_time_bound(tl, MB, d2h_bw=0.0, h2d_bw=1e9)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tl=timelines(), bw=bandwidths, frac=st.floats(0.05, 1.0), swaps=st.booleans())
+def test_no_plan_the_planner_finds_costs_less_than_the_bound(tl, bw, frac, swaps):
+    budget = max(1, int(frac * tl.vanilla_curve().max()))
+    p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False,
+             allow_swaps=swaps, copy_latency_ms=0.0)
+    b = extra_time_bound(tl, budget, d2h_bw=bw if swaps else None, h2d_bw=bw if swaps else None)
+    if p.feasible:   # a plan that fits is a solution of the bound's program: never cheaper
+        assert b.extra_ms is not None
+        assert sum(r.cost_ms for r in p.recomputes) >= b.extra_ms - EPS
