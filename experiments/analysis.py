@@ -226,21 +226,28 @@ def _markdown(df: pd.DataFrame, env: dict[str, str]) -> str:
     ])
 
 
+def per_model(names: list[str], batch_size: int, desc: str, row_of: Callable[[str], object]) -> list:
+    """``row_of(name)`` for each of ``names`` in order, under a progress bar; unknown names
+    (KeyError) and a batch size below 1 (ValueError) are refused before any work."""
+    for name in names:
+        get_model(name)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out = []
+    bar = tqdm(names, desc=desc, unit="model")
+    for name in bar:
+        bar.set_postfix_str(name)
+        out.append(row_of(name))
+    return out
+
+
 def run_analysis(names: list[str], out_dir: str | Path, batch_size: int = 1) -> pd.DataFrame:
     """Analyse ``names`` in order, write ``streams.csv`` and ``streams.md`` into ``out_dir``.
 
     Unknown names raise KeyError before any work; per-model failures are error rows.
     """
-    for name in names:
-        get_model(name)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    rows = per_model(names, batch_size, "stream analysis", lambda name: analyze_model(name, batch_size))
     env = environment()
-    rows = []
-    bar = tqdm(names, desc="stream analysis", unit="model")
-    for name in bar:
-        bar.set_postfix_str(name)
-        rows.append(analyze_model(name, batch_size))
     df = _table(rows, env)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

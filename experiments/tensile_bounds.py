@@ -30,10 +30,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
-from tqdm import tqdm
 
-from experiments.analysis import environment, model_names, say_written
-from experiments.models import get_model
+from experiments.analysis import environment, model_names, per_model, say_written
 from experiments.report import load_rows
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
@@ -118,16 +116,9 @@ def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
 def run_bounds(names: list[str], gpu_dir: str | Path, out_dir: str | Path,
                batch_size: int = 16) -> pd.DataFrame:
     """Bound ``names`` in order; write ``tensile_bounds.csv`` and ``.md`` into ``out_dir``."""
-    for name in names:
-        get_model(name)                  # unknown names fail before any work
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    rows = per_model(names, batch_size, "TENSILE bounds",
+                     lambda name: bound_model(name, batch_size, Path(gpu_dir)))
     env = environment()
-    rows = []
-    bar = tqdm(names, desc="TENSILE bounds", unit="model")
-    for name in bar:
-        bar.set_postfix_str(name)
-        rows.append(bound_model(name, batch_size, Path(gpu_dir)))
     df = pd.DataFrame([{**r, **env} for r in rows], columns=COLUMNS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,10 +31,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
-from experiments.analysis import environment, model_names, say_written
-from experiments.models import build_model, example_input, get_model
+from experiments.analysis import environment, model_names, per_model, say_written
+from experiments.models import build_model, example_input
 from experiments.report import load_rows
 from experiments.tensile_run import _drop_aux_head
 from tensile.estimate import estimate_op_times, scaled_op_times
@@ -159,21 +158,15 @@ def run_plans(names: list[str], out_dir: str | Path, batch_size: int = 16,
               stream_groups: int = 0) -> pd.DataFrame:
     """Plan ``names`` in order; write ``tensile_plans.csv`` and ``.md`` into ``out_dir``
     (``tensile_plans_streamed.*`` with ``stream_groups``)."""
-    for name in names:
-        get_model(name)                  # unknown names fail before any work
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if stream_groups < 0:
         raise ValueError(f"stream_groups must be >= 0 (0: not streamed), got {stream_groups}")
     if not overheads or any(not 0 <= mo for mo in overheads):
         raise ValueError(f"max_overhead values must be fractions >= 0, got {overheads}")
     gpu = Path(gpu_dir) if gpu_dir is not None else None
     env = environment()
-    rows = []
-    bar = tqdm(names, desc="TENSILE plans", unit="model")
-    for name in bar:
-        bar.set_postfix_str(name)
-        rows.extend(plan_model(name, batch_size, overheads, gpu, stream_groups))
+    rows = [row for model_rows in per_model(
+        names, batch_size, "TENSILE plans",
+        lambda name: plan_model(name, batch_size, overheads, gpu, stream_groups)) for row in model_rows]
     df = pd.DataFrame([{**r, **env} for r in rows], columns=COLUMNS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
