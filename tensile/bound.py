@@ -14,11 +14,16 @@ It solves the linear relaxation of choosing those moves. Per activation ``s`` wi
 At every op ``p`` whose resident bytes without a plan exceed the budget, the moves whose
 gap spans ``p`` free at least the excess: ``sum nbytes_s (x_s + y_s) >= curve[p] - budget``.
 What is swapped out at ``p`` was copied out since the step began and goes back in before
-it ends: ``sum nbytes_s y_s <= d2h_bw * start[p]`` and ``<= h2d_bw * (T - end[p])``. The
-objective is the rebuilds' rerun time, ``sum cost_s x_s`` (swaps cost nothing). Every real
-plan is a solution, and a costlier one: its rebuilds also need their inputs resident (the
-bound takes them as free), free memory only for part of the gap, and its copies share
-two channels with latencies and fixed windows. So no plan fits ``budget`` for less than
+it ends: ``sum nbytes_s y_s <= d2h_bw * start[p]`` and ``<= h2d_bw * (T - end[p])``. A
+rebuild reads its inputs when backward first needs it (op ``j_s``): where an input ``u``
+is itself moved and needed later (``j_s < j_u``), it is back by then unless it is rebuilt
+once more for that rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_u <=
+x_u + y_u`` with ``w_u <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the
+earliest such ``s``). The objective is the rebuilds' rerun time, ``sum cost_s (x_s + t_s)``
+(swaps cost nothing). Every plan of the planner's moves is a solution, and a costlier one:
+its rebuilds also keep their other inputs resident, free memory only for part of the gap,
+and its copies share two channels with latencies and fixed windows (a property test
+checks the planner's plans against it on random timelines). So no plan fits ``budget`` for less than
 ``extra_ms``; how far the greedy plan's estimate lies above it is what a better planner
 could still win. Both are in the timeline's own op times: a bound on the planner's
 model, not a measurement.
@@ -69,7 +74,7 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
     peak = int(curve.max()) if len(curve) else 0
     excess = curve - budget_bytes
     moves = _moves(tl, min_bytes)
-    rebuildable = sum(cost is not None for *_, cost in moves)
+    rebuildable = sum(m.cost is not None for m in moves)
     result = PlanBound(budget_bytes=int(budget_bytes), peak_bytes=peak, extra_ms=0.0,
                        movable=len(moves), rebuildable=rebuildable, swaps=swaps)
     if peak <= budget_bytes:
@@ -80,9 +85,25 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
                         "extra_ms": _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw)})
 
 
-def _moves(tl: AccessTimeline, min_bytes: int) -> list[tuple[int, int, int, int, float | None]]:
-    """Each activation the runtime may move (as :meth:`PlanState.resident_candidates`):
-    (sid, bytes, gap start i, gap end j, rebuild ms or None where it cannot be rebuilt)."""
+@dataclass(frozen=True)
+class _Move:
+    """An activation the runtime may move: its gap ``(i, j)``, rebuild ms (None: it cannot
+    be rebuilt), the storages its rebuild reads, and ``split``: the backward use of the
+    first activation rebuilt from it before its own use (None: none), after which it must
+    be back on the device for that rebuild."""
+
+    sid: int
+    nbytes: int
+    i: int
+    j: int
+    cost: float | None
+    sources: tuple[int, ...]
+    split: int | None = None
+    dependent: int | None = None     # the index of that activation's move
+
+
+def _moves(tl: AccessTimeline, min_bytes: int) -> list[_Move]:
+    """Each activation the runtime may move (as :meth:`PlanState.resident_candidates`)."""
     out = []
     for sid, t in tl.tensors.items():
         if t.persistent or not t.swappable or t.nbytes < min_bytes:
@@ -92,56 +113,84 @@ def _moves(tl: AccessTimeline, min_bytes: int) -> list[tuple[int, int, int, int,
             continue
         i, j = gap
         ops = _rerun_ops(tl, sid, i)
-        out.append((sid, t.nbytes, i, j, None if ops is None else _rerun_ms(tl, ops[0], ops[1])))
+        out.append(_Move(sid, t.nbytes, i, j, None if ops is None else _rerun_ms(tl, ops[0], ops[1]),
+                         () if ops is None else tuple(ops[3])))
+    index = {m.sid: k for k, m in enumerate(out)}
+    for k, m in enumerate(out):             # rebuilding m reads its sources at m.j
+        for src in m.sources:
+            u = out[index[src]] if src in index else None
+            if u is not None and m.cost is not None and u.i < m.j < u.j \
+                    and (u.split is None or m.j < u.split):
+                out[index[src]] = _Move(u.sid, u.nbytes, u.i, u.j, u.cost, u.sources, m.j, k)
     return out
 
 
-def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list, swaps: bool,
+def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bool,
            d2h_bw: float | None, h2d_bw: float | None) -> float | None:
     """The linear program of the module notes; None when it has no solution."""
     n = tl.num_ops
-    # Between two gap ends the moves spanning an op do not change: one memory row per such
-    # segment (its largest excess) and one pair of bandwidth rows (its first op's start,
-    # its last op's end: the tightest of the segment's ops).
-    cuts = sorted({0, n} | {i + 1 for _, _, i, _, _ in moves} | {j for _, _, _, j, _ in moves})
+    # Between two gap ends (and splits) the moves spanning an op do not change: one memory
+    # row per such segment (its largest excess) and one pair of bandwidth rows (its first
+    # op's start, its last op's end: the tightest of the segment's ops).
+    cuts = sorted({0, n} | {m.i + 1 for m in moves} | {m.j for m in moves})
     segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b and excess[a:b].max() > 0]
-    # variables: x (rebuild) for the rebuildable moves, then y (swap) for every move
-    xs = [k for k, m in enumerate(moves) if m[4] is not None]
-    ys = list(range(len(moves))) if swaps else []
-    nx = len(xs)
-    col_x = {k: c for c, k in enumerate(xs)}
-    col_y = {k: nx + c for c, k in enumerate(ys)}
-    rows, cols, vals, rhs = [], [], [], []
+    cols: dict[tuple[str, int], int] = {}
+    cost: list[float] = []
 
-    def add_row(entries: list[tuple[int, float]], bound: float) -> None:
-        r = len(rhs)
-        for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
+    def col(kind: str, k: int, price: float = 0.0) -> int:
+        if (kind, k) not in cols:
+            cols[(kind, k)] = len(cost)
+            cost.append(price)
+        return cols[(kind, k)]
+    for k, m in enumerate(moves):
+        if m.cost is not None:
+            col("x", k, m.cost)             # rebuilt
+        if swaps:
+            col("y", k)                     # swapped
+        if m.split is not None:
+            col("w", k)                     # still away after the split
+            if m.cost is not None:
+                col("t", k, m.cost)         # rebuilt once more, for its dependent alone
+    rows, entries, rhs = 0, ([], [], []), []
+
+    def add_row(terms: list[tuple[int, float]], bound: float) -> None:
+        nonlocal rows
+        for c, v in terms:
+            entries[0].append(rows)
+            entries[1].append(c)
+            entries[2].append(v)
         rhs.append(bound)
+        rows += 1
 
-    spans = [(k, m[1], m[2], m[3]) for k, m in enumerate(moves)]
+    def away(k: int) -> list[int]:
+        return [cols[key] for key in (("x", k), ("y", k)) if key in cols]
     T = tl.iteration_ms
     for a, b in segments:
-        inside = [(k, nb) for k, nb, i, j in spans if i < a and b - 1 < j]
-        need = float(excess[a:b].max())
-        freed = [(col_x[k], -float(nb)) for k, nb in inside if k in col_x]
-        freed += [(col_y[k], -float(nb)) for k, nb in inside if k in col_y]
+        freed, out = [], []
+        for k, m in enumerate(moves):
+            if not (m.i < a and b <= m.j):
+                continue
+            if m.split is not None and a >= m.split:
+                freed.append((cols[("w", k)], -float(m.nbytes)))
+            else:
+                freed += [(c, -float(m.nbytes)) for c in away(k)]
+                if ("y", k) in cols:
+                    out.append((cols[("y", k)], float(m.nbytes)))
         if not freed:
             return None                     # nothing can free memory at these ops
-        add_row(freed, -need)               # sum nbytes (x + y) >= excess
-        if swaps:
-            out = [(col_y[k], float(nb)) for k, nb in inside]
+        add_row(freed, -float(excess[a:b].max()))    # the bytes away >= the excess
+        if out:
             add_row(out, d2h_bw * float(tl.start[a]) / 1e3)
             add_row(out, h2d_bw * (T - float(tl.end[b - 1])) / 1e3)
-    for k in range(len(moves)):             # x + y <= 1
-        both = [(c, 1.0) for c in (col_x.get(k), col_y.get(k)) if c is not None]
-        if len(both) == 2:
-            add_row(both, 1.0)
-    nvar = nx + len(ys)
-    cost = np.zeros(nvar)
-    cost[:nx] = [moves[k][4] for k in xs]
-    a_ub = coo_matrix((vals, (rows, cols)), shape=(len(rhs), nvar)).tocsr()
-    res = linprog(cost, A_ub=a_ub, b_ub=np.asarray(rhs), bounds=(0.0, 1.0), method="highs")
+    for k, m in enumerate(moves):
+        gone = away(k)
+        if len(gone) == 2:                  # x + y <= 1
+            add_row([(c, 1.0) for c in gone], 1.0)
+        if m.split is not None:             # w <= x + y and w <= 1 - x_dependent + t
+            add_row([(cols[("w", k)], 1.0)] + [(c, -1.0) for c in gone], 0.0)
+            dep = [(cols[("x", m.dependent)], 1.0)] if ("x", m.dependent) in cols else []
+            again = [(cols[("t", k)], -1.0)] if ("t", k) in cols else []
+            add_row([(cols[("w", k)], 1.0)] + dep + again, 1.0)
+    a_ub = coo_matrix((entries[2], (entries[0], entries[1])), shape=(rows, len(cost))).tocsr()
+    res = linprog(np.asarray(cost), A_ub=a_ub, b_ub=np.asarray(rhs), bounds=(0.0, 1.0), method="highs")
     return float(res.fun) if res.status == 0 else None
