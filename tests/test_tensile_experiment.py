@@ -671,6 +671,10 @@ def test_gpu_tensile_graph_plans_to_a_built_ins_measured_peak(small, tmp_path):
     e = ours["extra"]
     assert e["match_peak"] == "checkpoint_graph"
     assert e["match_target_mb"] == pytest.approx(float(ck["peak_mem_mb"]))
+    # the least any plan of its moves could be priced at (Scheduler.bound), beside its price
+    assert "bound_ms" in e and "bound_swaps_ms" in e
+    if e["plan_feasible"]:
+        assert e["bound_swaps_ms"] is not None and e["bound_swaps_ms"] <= e["plan_overhead_ms"] + 1e-6
     tries = e["match_tries"]
     assert 1 <= len(tries) <= 5
     met = float(ours["peak_mem_mb"]) <= e["match_target_mb"]
