@@ -37,7 +37,7 @@ def test_the_latest_equal_peak_job_that_met_its_peak_is_read_whole(tmp_path):
 
 def test_a_job_is_bounded_into_rows_and_a_table(tmp_path):
     gpu = gpu_rows(tmp_path / "results" / "h200", job("a", "2026-11-30T04:00:00+00:00"))
-    out = tmp_path / "analysis"
+    out = tmp_path / "results" / "analysis"
     df = tensile_bounds.run_bounds(["mobilenet_v2", "googlenet"], gpu, out, batch_size=2)
     assert (out / "tensile_bounds.csv").exists() and "bound_swaps_ms" in (out / "tensile_bounds.md").read_text()
     ours, other = df.iloc[0], df.iloc[1]
@@ -49,6 +49,11 @@ def test_a_job_is_bounded_into_rows_and_a_table(tmp_path):
     assert ours["greedy_feasible"] and 0 < ours["bound_ms"] <= ours["greedy_ms"] + 1e-9
     assert ours["bound_swaps_ms"] <= ours["bound_ms"] + 1e-9
     assert ours["reachable"] == (ours["bound_swaps_ms"] <= ours["allowed_ms"])
+    # the report shows the ok rows beside the GPU's
+    from experiments.report import write_report
+    text = write_report(gpu).read_text()
+    assert "### The equal-peak jobs against the floor on any plan" in text
+    assert "| mobilenet_v2 |" in text.split("against the floor on any plan")[1].split("###")[0]
 
 
 def test_bad_arguments_are_refused(tmp_path):
