@@ -21,12 +21,13 @@ once more for that rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w
 x_u + y_u`` with ``w_u <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the
 earliest such ``s``). The objective is the rebuilds' rerun time, ``sum cost_s (x_s + t_s)``
 (swaps cost nothing). Every plan of the planner's moves is a solution, and a costlier one:
-its rebuilds also keep their other inputs resident, free memory only for part of the gap,
-and its copies share two channels with latencies and fixed windows (a property test
-checks the planner's plans against it on random timelines). So no plan fits ``budget`` for less than
-``extra_ms``; how far the greedy plan's estimate lies above it is what a better planner
-could still win. Both are in the timeline's own op times: a bound on the planner's
-model, not a measurement.
+its rebuilds also keep their other inputs resident (the program takes an input the step
+no longer holds, such as a residual branch's batch-norm output, as free), free memory only
+for part of the gap, and its copies share two channels with latencies and fixed windows
+(a property test checks the planner's plans against it on random timelines). So no plan
+fits ``budget`` for less than ``extra_ms``; how far the greedy plan's estimate lies above
+it is what a better planner could still win. Both are in the timeline's own op times: a
+bound on the planner's model, not a measurement.
 """
 from __future__ import annotations
 
