@@ -32,15 +32,15 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.analysis import environment, model_names, per_model, say_written
-from experiments.report import load_rows
+from experiments.report import (EQUAL_PEAK_TARGET, earlier_in_job, equal_peak_allowance, load_rows,
+                                ok_tensile_rows)
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
 from tensile.planner import plan
 
-__all__ = ["COLUMNS", "TARGET", "equal_peak_job", "bound_model", "run_bounds"]
+__all__ = ["COLUMNS", "equal_peak_job", "bound_model", "run_bounds"]
 
 MB = 2 ** 20
-TARGET = 1.2   # issue 6: at equal peak, at least 1.2x the best built-in's throughput
 DEFAULT_MODELS = ("inception_v4", "resnet50", "densenet121")   # the equal-peak sweep's
 COLUMNS = [
     "model", "batch_size", "tensile", "builtin", "budget_mb", "step_ms", "builtin_ms",
@@ -54,16 +54,14 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
     """The latest full-protocol equal-peak job of ``model`` at ``batch_size`` in
     ``gpu_dir`` whose ``tensile_graph`` rebuilt batch norms from their statistics, with its
     job's captured vanilla step and built-in; None when there is none."""
-    rows = load_rows(gpu_dir, every_row=True)
-    ok = rows[(rows["experiment"] == "tensile") & (rows["status"] == "ok") & ~rows["smoke"]
-              & (rows["model"] == model) & (rows["batch_size"] == batch_size)]
+    ok = ok_tensile_rows(load_rows(gpu_dir, every_row=True))
+    ok = ok[(ok["model"] == model) & (ok["batch_size"] == batch_size)]
     ours = ok[ok["backend"].astype(str).str.startswith("tensile_graph(match_peak=")
               & ok["backend"].astype(str).str.contains("bn_from_stats", regex=False)]
     for idx in reversed(ours.index):
         r = ok.loc[idx]
         extra = json.loads(r["extra"]) if r["extra"] else {}
-        job = ok.loc[:idx - 1]
-        job = job[(job["run_id"] == r["run_id"]) & (job["mode"] == r["mode"])]
+        job = earlier_in_job(ok, r)
         builtin = extra.get("match_peak")
         graph, ck = job[job["backend"] == "graph"], job[job["backend"] == builtin]
         if not len(graph) or not len(ck) or not extra.get("match_met") \
@@ -87,7 +85,7 @@ def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
     if job is None:
         return {**base, "status": "skipped",
                 "error": f"no equal-peak job with bn_from_stats in {gpu_dir} (+sweep=tensile_equal_peak)"}
-    allowed = job["builtin_ms"] / TARGET - job["step_ms"]
+    allowed = equal_peak_allowance(job["builtin_ms"], job["step_ms"])
     row = {**base, "tensile": job["tensile"], "builtin": job["builtin"],
            "budget_mb": round(job["budget"] / MB, 1), "step_ms": round(job["step_ms"], 3),
            "builtin_ms": round(job["builtin_ms"], 3), "allowed_ms": round(allowed, 3),
@@ -130,7 +128,7 @@ def run_bounds(names: list[str], gpu_dir: str | Path, out_dir: str | Path,
         f"# At a built-in's peak: TENSILE's plan against the best any plan could do\n\n"
         f"Written by `python -m experiments.tensile_bounds` (commit {env['commit']}, {env['date']}, "
         f"torch {env['torch']}) from the equal-peak jobs in `{gpu_dir}`. ms added over the "
-        f"captured vanilla step: allowed = built-in / {TARGET} − step; measured = the job's "
+        f"captured vanilla step: allowed = built-in / {EQUAL_PEAK_TARGET} − step; measured = the job's "
         "plan on the GPU; greedy = the planner's estimate on the CPU-recorded step; bound = "
         "the least any plan of rebuilds (and swaps) can add there (`tensile.bound`). A bound "
         "in the planner's cost model, not a measurement: see the module docstring.\n\n"
