@@ -18,11 +18,12 @@ import io
 import json
 import math
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "append_table_row", "make_row", "row_key",
+__all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "append_table_row", "file_slug", "make_row", "row_key",
            "read_rows", "date_stamp"]
 
 COLUMNS: list[str] = [
@@ -84,6 +85,12 @@ def row_key(row: dict[str, Any]) -> tuple[str, ...]:
 def date_stamp(date: str) -> str:
     """A row's ``date`` (ISO 8601) as ``YYYYMMDDTHHMMSS``, for file names that belong to it."""
     return "".join(c for c in date[:19] if c.isalnum())
+
+
+def file_slug(label: str) -> str:
+    """``label`` (a backend, a setting) as a piece of a file name: runs of anything but
+    letters, digits, ``.``, ``_`` and ``-`` become one ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
 
 
 def read_rows(path: str | Path) -> list[dict[str, str]]:

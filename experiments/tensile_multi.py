@@ -135,7 +135,7 @@ from typing import Any, Callable, Sequence
 from experiments.mps import available as mps_available
 from experiments.mps import client_env as mps_client_env
 from experiments.mps import mps_daemon
-from experiments.store import ResultStore, date_stamp, row_key
+from experiments.store import ResultStore, date_stamp, file_slug, row_key
 from experiments.timing import summarize_ms
 from tensile import server
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
@@ -1167,10 +1167,6 @@ def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: 
 
 # --------------------------------------------------------------------------- timeline files
 
-def _slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_")
-
-
 def write_timeline(samples: list[tuple], path: Path) -> None:
     """The samples as CSV: phase, t_s, used_mb, event (empty for plain samples)."""
     import pandas as pd
@@ -1278,8 +1274,8 @@ def run_setting(setting: Setting, opts: Options, probe: dict, store: ResultStore
     env = _row_env(probe)
     # Named per setting and run (the rows' date): a later run of the setting keeps this one's.
     stamp = date_stamp(env["date"])
-    files = {"timeline_csv": f"tensile_multi_timeline_{_slug(setting.label)}_{stamp}.csv",
-             "plot_png": f"tensile_multi_{_slug(setting.label)}_{stamp}.png"}
+    files = {"timeline_csv": f"tensile_multi_timeline_{file_slug(setting.label)}_{stamp}.csv",
+             "plot_png": f"tensile_multi_{file_slug(setting.label)}_{stamp}.png"}
     write_timeline(sampler.samples, out_dir / files["timeline_csv"])
     plot_timeline(sampler.samples, out_dir / files["plot_png"], setting.label, sampler.source)
     common = {"experiment": EXPERIMENT, "mode": setting.label, "batch_size": opts.batch}

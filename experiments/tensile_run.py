@@ -40,7 +40,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from experiments.run import RUN_ID, ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
-from experiments.store import ResultStore, row_key
+from experiments.store import ResultStore, file_slug, row_key
 from experiments.timing import measure
 from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
@@ -129,7 +129,7 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
-    for flag in ("allow_swaps", "batch_norm_from_stats", "census"):
+    for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
             raise ConfigError(f"experiment.{flag} must be true or false, got {exp.get(flag)!r}")
     if exp.get("census", False) and cfg.device.name != "cuda":
@@ -559,7 +559,7 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
                    device: str, warmup: int, iters: int, repeats: int, opts: dict,
                    fraction: float | None = None, cap_setup: bool = True,
                    trace_path: Path | None = None, built: _Built | None = None,
-                   census: bool = False) -> dict:
+                   census: bool = False, snapshot: tuple[Path, dict] | None = None) -> dict:
     """Build, warm up and time one method; returns the row's measured fields.
 
     ``fraction`` caps the process's GPU memory from the start (``cap_setup``) or only for
@@ -568,8 +568,10 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     after the timed ones (where a method's extra time goes). ``built``: time this method,
     built already (the try ``experiment.match_peak`` found), instead of building it; a cap
     then holds from the training steps on. ``census``: also count the GPU tasks of ten steps
-    of a captured method (:func:`step_census`). Raises what the method raises (the caller
-    turns it into an error row).
+    of a captured method (:func:`step_census`). ``snapshot``: (path, facts): write a method
+    run on TENSILE's runtime's plan with what it was planned from there
+    (:class:`tensile.PlanningSnapshot`, the facts as its ``meta``). Raises what the method
+    raises (the caller turns it into an error row).
     """
     cuda = device == "cuda"
     if built is None:
@@ -624,11 +626,15 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
     if trace_path is not None:
         write_trace(call, (batch,), trace_path)
     kernels = step_census(call, batch) if census and cuda and name in GRAPHED else {}
+    saved = (step.snapshot(**snapshot[1]).save(snapshot[0])
+             if snapshot is not None and step.snapshot is not None else None)
     extra = {"repeats": repeats, "repeat_mean_ms": [round(m, 4) for m in means],
              "repeat_std_ms": float(np.std(means, ddof=1)) if len(means) > 1 else 0.0,
              "loss": loss}
     extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
     extra.update(kernels)
+    if saved is not None:
+        extra["snapshot_path"] = str(saved)
     if cuda and name in GRAPHED:   # a replay allocates nothing: the capture's peak is every step's
         peaks = [stats["graph_peak_mb"] - resident_mb]
         reserved = [stats["graph_reserved_mb"] - resident_reserved_mb]
@@ -854,9 +860,15 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
                 opts["budget"] = matched["budget"]
             trace = (out_dir / f"trace_tensile_{cfg.model.name}_{name}.json"
                      if cfg.get("trace") else None)
+            snap = None
+            if exp.get("snapshot", False):
+                label = method_label(name, exp)
+                snap = (out_dir / f"snapshot_tensile_{cfg.model.name}_b{cfg.batch_size}_{file_slug(label)}.json.gz",
+                        {"model": cfg.model.name, "batch_size": int(cfg.batch_size),
+                         "backend": label, **{k: env.get(k) for k in ("gpu", "torch", "commit", "date")}})
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,
                                     fraction, bool(exp.cap_setup), trace, found,
-                                    census=bool(exp.get("census", False)))
+                                    census=bool(exp.get("census", False)), snapshot=snap)
         except Exception as exc:  # noqa: BLE001 - a failing method is a row, never a crash
             if not isinstance(exc, torch.OutOfMemoryError):
                 log.exception("%s on %s failed", name, cfg.model.name)

@@ -20,6 +20,7 @@ from .record import Recording, record_step
 from .scale import ScaleError, scale_recording
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
+from .snapshot import PlanningSnapshot
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 from .resident import tune_resident
@@ -31,7 +32,7 @@ from .timeline import AccessTimeline, TensorInfo
 
 __all__ = [
     "Scheduler", "SchedulerReport", "GraphStep", "AccessTimeline", "TensorInfo", "Plan", "Swap",
-    "Recompute", "plan", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
+    "Recompute", "plan", "PlanningSnapshot", "simulate", "SimResult", "estimate_op_times", "OpTimeModel",
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "ScaleError", "scale_recording",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",

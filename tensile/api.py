@@ -54,6 +54,7 @@ from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
 from .scale import batch_size_of, scale_recording, slice_batch, valid_record_batches
+from .snapshot import PlanningSnapshot
 from .step import training_step
 from .streamed import streamed_of
 from .timeline import AccessTimeline, base_name
@@ -394,6 +395,15 @@ class Scheduler:
         swapped = extra_time_bound(tl, self.budget_bytes, d2h_bw=self.plan.d2h_bytes_per_s,
                                    h2d_bw=self.plan.h2d_bytes_per_s, min_bytes=self.min_bytes)
         return {"bound_ms": alone.extra_ms, "bound_swaps_ms": swapped.extra_ms}
+
+    def snapshot(self, **meta) -> PlanningSnapshot:
+        """The current plan with what it was planned from (:attr:`timeline`, budget, copy
+        bandwidths): :meth:`PlanningSnapshot.save` it to plan again offline, on the CPU,
+        with this machine's op times. ``meta``: facts to keep with it (model, GPU, ...)."""
+        return PlanningSnapshot(timeline=self.timeline, budget_bytes=self.budget_bytes,
+                                d2h_bw=self.d2h_bw, h2d_bw=self.h2d_bw,
+                                copy_latency_ms=self.copy_latency_ms, min_bytes=self.min_bytes,
+                                plan=self.plan, meta=dict(meta))
 
     def step(self, *batch) -> torch.Tensor:
         """One training step under the current plan; returns the (detached) loss."""

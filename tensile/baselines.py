@@ -62,6 +62,7 @@ from .graph import GraphStep
 from .policies import POLICIES
 from .step import training_step
 from .resident import DEFAULT_STREAM_OVERHEAD, install_streamed
+from .snapshot import PlanningSnapshot
 from .streamed import DEFAULT_PREFETCH
 
 __all__ = ["METHODS", "StepFn", "make_method", "checkpoint_blocks", "LayerRuns", "SAC_SAVE_OPS",
@@ -75,6 +76,9 @@ class StepFn:
     name: str
     run: Callable[[Sequence], torch.Tensor]
     stats: Callable[[], dict] = field(default=lambda: {})
+    # methods run on TENSILE's runtime: their plan with what it was planned from
+    # (:meth:`tensile.Scheduler.snapshot`); None for the others
+    snapshot: Callable[..., PlanningSnapshot] | None = None
 
     def __call__(self, batch: Sequence) -> torch.Tensor:
         return self.run(batch)
@@ -373,7 +377,7 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                 # the replay time of the captured vanilla step the plan was made for
                 "captured_vanilla_ms": sched.captured_vanilla_ms,
                 **(_stream_stats(streamed) if stream_optimizer else {})}
-    return StepFn("tensile_graph", lambda b: graph(*b), stats)
+    return StepFn("tensile_graph", lambda b: graph(*b), stats, sched.snapshot)
 
 
 def _stream_stats(streamed) -> dict:
@@ -383,7 +387,8 @@ def _stream_stats(streamed) -> dict:
 
 
 def _scheduled(sched: Scheduler, name: str) -> StepFn:
-    return StepFn(name, lambda b: sched.step(*b), lambda: dataclasses.asdict(sched.report()))
+    return StepFn(name, lambda b: sched.step(*b), lambda: dataclasses.asdict(sched.report()),
+                  sched.snapshot)
 
 
 def _tensile(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,

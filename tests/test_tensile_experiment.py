@@ -149,6 +149,26 @@ def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
         assert any("convolution" in str(e.get("name", "")) for e in trace["traceEvents"])
 
 
+def test_snapshot_saves_each_planned_method_so_it_replans_offline(small, tmp_path):
+    from tensile import PlanningSnapshot, simulate
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile,capuchin]",
+                        "experiment.budget=0.9", "experiment.snapshot=true"))
+    rows = _rows(tmp_path)
+    assert "snapshot_path" not in rows["vanilla"]["extra"]      # nothing planned
+    for backend in ("tensile", "capuchin"):
+        path = Path(rows[backend]["extra"]["snapshot_path"])
+        assert path.name == f"snapshot_tensile_small_b4_{backend}.json.gz"
+        snap = PlanningSnapshot.load(path)
+        assert snap.meta["backend"] == backend and snap.meta["batch_size"] == 4
+        assert snap.budget_bytes == snap.plan.budget_bytes > 0
+        # the saved timeline is the one the plan was made on: it simulates to the plan's peak
+        assert simulate(snap.timeline, snap.plan).peak == snap.plan.peak_after
+        assert simulate(snap.timeline).peak == snap.plan.peak_before
+    # the saved inputs give TENSILE's own plan back
+    snap = PlanningSnapshot.load(Path(rows["tensile"]["extra"]["snapshot_path"]))
+    assert snap.replan().same_actions(snap.plan)
+
+
 def test_capuchin_alone_gets_its_budget_from_an_unwritten_tensile_run(small, tmp_path):
     rows = run.run_config(_cfg(tmp_path, "experiment.methods=[capuchin]"))
     assert [r["backend"] for r in rows] == ["capuchin"] and rows[0]["status"] == "ok"

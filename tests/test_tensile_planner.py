@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tensile.plan import Plan, Recompute, Swap
 import tensile.planner
-from tensile.planner import _greedy, plan
+from tensile.planner import COPY_LATENCY_MS, _greedy, plan
 from tensile.simulate import absent_ranges, kept_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
@@ -467,6 +467,28 @@ def test_plan_json_rejects_other_json(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == p
     with pytest.raises(ValueError, match="not a TENSILE plan"):
         Plan.from_json('{"nodes": []}')
+
+
+def test_planning_snapshot_round_trips_and_rejects_other_files(tmp_path):
+    import gzip
+    from tensile import PlanningSnapshot
+    tl = _simple()
+    p = plan(tl, budget_bytes=int(simulate(tl).peak * 0.8), d2h_bw=1e10, h2d_bw=1e10)
+    snap = PlanningSnapshot(timeline=tl, budget_bytes=p.budget_bytes, d2h_bw=1e10, h2d_bw=1e10,
+                            copy_latency_ms=COPY_LATENCY_MS, min_bytes=1, plan=p, meta={"model": "toy"})
+    back = PlanningSnapshot.load(snap.save(tmp_path / "a" / "snap.json.gz"))
+    assert back.plan == p and back.meta == {"model": "toy"}
+    assert list(back.timeline.op_ms) == list(tl.op_ms) and back.timeline.tensors == tl.tensors
+    assert back.replan().same_actions(p)
+    assert not back.replan(budget_bytes=None).same_actions(p)
+    with gzip.open(tmp_path / "plan.json.gz", "wt") as f:
+        f.write(p.to_json())
+    with pytest.raises(ValueError, match="not a TENSILE planning snapshot"):
+        PlanningSnapshot.load(tmp_path / "plan.json.gz")
+    broken = snap.to_dict()
+    broken["op_ms"] = broken["op_ms"][:-1]
+    with pytest.raises(ValueError, match="planning snapshot: timeline.names"):
+        PlanningSnapshot.from_dict(broken)
 
 
 def test_simulate_rejects_plan_of_other_timeline():
