@@ -114,6 +114,10 @@ def validate(cfg, models: dict) -> None:
     lat = exp.get("copy_latency_ms", COPY_LATENCY_MS)
     if not isinstance(lat, (int, float)) or isinstance(lat, bool) or not 0 <= lat < 1000:
         raise ConfigError(f"experiment.copy_latency_ms must be a time in ms >= 0, got {lat!r}")
+    ra = exp.get("rebuild_ahead", 0)
+    if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
+        raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
+                          f"rebuild on demand), got {ra!r}")
     so = exp.get("stream_optimizer", 0)
     if not isinstance(so, int) or isinstance(so, bool) or so < 0:
         raise ConfigError(f"experiment.stream_optimizer must be a number of parameter groups "
@@ -292,6 +296,8 @@ def method_label(name: str, exp) -> str:
             knobs.append("allow_swaps=false")
         if exp.get("batch_norm_from_stats", False):
             knobs.append("bn_from_stats")
+        if exp.get("rebuild_ahead", 0):
+            knobs.append(f"rebuild_ahead={exp.rebuild_ahead:g}")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
@@ -735,6 +741,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["allow_swaps"] = False
             if exp.get("batch_norm_from_stats", False):
                 opts["batch_norm_from_stats"] = True
+            if exp.get("rebuild_ahead", 0):
+                opts["rebuild_ahead"] = float(exp.rebuild_ahead)
         return opts
     return {}
 

@@ -240,7 +240,13 @@ class Scheduler:
     measured unless given.
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
-    ``allow_swaps=False`` plans recomputation only (local planning).
+    ``allow_swaps=False`` plans recomputation only (local planning). ``rebuild_ahead``
+    (local planning; e.g. 2): rebuild dropped activations that many times their rerun
+    time before backward needs them, on a side stream, within the plan's peak
+    (:func:`tensile.planner.schedule_ahead`), so that reruns overlap backward's kernels;
+    0 (default): each when backward first needs it, on the compute stream. For captured
+    steps (:meth:`capture`): uncaptured, an ahead rebuild between two autograd hooks puts
+    the backward under the runtime's dispatch mode (host time per op).
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
     samples of the example batch, not on all of it, and scale the recording to the
     example's batch size (:mod:`tensile.scale`): for a job that does not fit the GPU
@@ -279,7 +285,7 @@ class Scheduler:
                  budget: int | float | None = None, *,
                  simulate: bool | None = None,
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
-                 allow_swaps: bool = True,
+                 allow_swaps: bool = True, rebuild_ahead: float = 0.0,
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
@@ -305,6 +311,9 @@ class Scheduler:
         if not allow_swaps and (planner is not None or scheduler_socket is not None):
             raise ValueError("allow_swaps=False is an option of TENSILE's own planner here; it "
                              "does not apply with planner= or scheduler_socket")
+        if rebuild_ahead and (planner is not None or scheduler_socket is not None):
+            raise ValueError(f"rebuild_ahead={rebuild_ahead!r} is an option of TENSILE's own "
+                             "planner here; it does not apply with planner= or scheduler_socket")
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
                              "give scheduler_socket too")
@@ -319,7 +328,7 @@ class Scheduler:
         # TENSILE's greedy peak shaving by default; tensile.policies has vDNN and Capuchin.
         self.planner = planner or functools.partial(
             make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
-            max_overhead=max_overhead, allow_swaps=allow_swaps)
+            max_overhead=max_overhead, allow_swaps=allow_swaps, rebuild_ahead=rebuild_ahead)
 
         self._example = _signature(example_batch)
         if record_batches is None:

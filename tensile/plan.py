@@ -60,6 +60,10 @@ class Recompute:
     longer reads after their forward use (a DenseNet layer's new features, read only by
     the concatenations after it): the plan keeps them from their last read until this
     recompute runs, which needs them (by ``before_op``; the runtime's recipe holds them).
+    ``issue_op``: rebuild ahead of need, on a side stream, right after this op (from then
+    on the tensor is resident again, for the memory count), so that the rerun overlaps the
+    compute stream's work up to ``before_op`` (``tensile.planner.plan(rebuild_ahead=...)``);
+    None: when backward first needs it, on the compute stream.
     """
 
     sid: int
@@ -73,6 +77,7 @@ class Recompute:
     scratch: list[int] = field(default_factory=list)
     transient: list[int] = field(default_factory=list)
     kept: list[int] = field(default_factory=list)
+    issue_op: int | None = None
 
 
 @dataclass
@@ -107,10 +112,12 @@ class Plan:
     @property
     def chained_recomputes(self) -> dict[str, int]:
         """How many recomputes rerun in-place updates too (``in_place``), rebuild a dropped
-        input first (``rebuild_first``; ``transient``: for themselves alone), or rerun a
-        batch norm on scratch statistics (``scratch``)."""
+        input first (``rebuild_first``; ``transient``: for themselves alone), rerun a batch
+        norm on scratch statistics (``scratch``), or are rebuilt ahead of need on a side
+        stream (``ahead``)."""
         rebuilt = {r.sid for r in self.recomputes}
         return {"in_place": sum(bool(r.then_ops) for r in self.recomputes),
+                "ahead": sum(r.issue_op is not None for r in self.recomputes),
                 "rebuild_first": sum(bool(set(r.sources) & rebuilt) for r in self.recomputes),
                 "transient": sum(bool(r.transient) for r in self.recomputes),
                 "scratch": sum(bool(r.scratch) for r in self.recomputes)}
@@ -132,7 +139,7 @@ class Plan:
         def recomputes(p: Plan) -> list[tuple]:
             return sorted((r.sid, r.nbytes, r.producer_op, r.release_after_op, r.before_op,
                            tuple(r.sources), tuple(r.then_ops), tuple(r.scratch),
-                           tuple(r.transient), tuple(r.kept)) for r in p.recomputes)
+                           tuple(r.transient), tuple(r.kept), r.issue_op) for r in p.recomputes)
 
         return (self.num_ops == other.num_ops and swaps(self) == swaps(other)
                 and recomputes(self) == recomputes(other) and self.actions() == other.actions())
@@ -148,7 +155,11 @@ class Plan:
         for r in self.recomputes:
             ops = ", ".join(map(str, [r.producer_op, *r.then_ops]))
             also = f"; rebuilding {', '.join(map(str, r.transient))} for it" if r.transient else ""
-            acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {ops}{also})"))
+            if r.issue_op is None:
+                acts[r.before_op].append((0, 0.0, f"before: recompute {r.sid} (op {ops}{also})"))
+            else:
+                acts[r.issue_op].append((4, 0.0, f"after: recompute {r.sid} ahead, on a side "
+                                                 f"stream (op {ops}; for op {r.before_op})"))
             acts[r.release_after_op].append((2, 0.0, f"after: release {r.sid}"))
         for s in self.swaps:
             tag = " [next iteration]" if s.cross_iteration else ""
@@ -180,7 +191,7 @@ class Plan:
             return ""
         return (f" ({c['in_place']} with in-place updates, {c['rebuild_first']} rebuilding an "
                 f"input first, {c['transient']} of them for themselves alone, {c['scratch']} "
-                "batch norms on scratch statistics)")
+                f"batch norms on scratch statistics, {c['ahead']} rebuilt ahead)")
 
     def __str__(self) -> str:
         lines = [self.summary()]

@@ -59,6 +59,7 @@ def plan(
     min_bytes: int = 1,
     max_overhead: float = 0.0,
     allow_swaps: bool = True,
+    rebuild_ahead: float = 0.0,
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
 
@@ -69,10 +70,13 @@ def plan(
     that adds at most ``max_overhead`` x the iteration time (0: none). With a budget,
     ``max_overhead`` is not used: recomputation goes as far as the budget needs.
     ``allow_swaps=False`` plans recomputation only (a plan whose copies would wait on channels
-    the step itself keeps busy, say a streamed optimizer's).
+    the step itself keeps busy, say a streamed optimizer's). ``rebuild_ahead`` > 0: then
+    issue rebuilds that many times their own rerun time before backward needs them, on a
+    side stream, where the memory allows (:func:`schedule_ahead`); 0: on demand.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_max_overhead(max_overhead)
+    check_rebuild_ahead(rebuild_ahead)
     t0 = time.perf_counter()
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
             copy_latency_ms, min_bytes, max_overhead)
@@ -89,8 +93,67 @@ def plan(
             other = _greedy(*args, allow_swaps=swaps, transient=transient)
             if _rank(other, budget_bytes) < _rank(best, budget_bytes):
                 best = other
+    if rebuild_ahead:
+        schedule_ahead(timeline, best, rebuild_ahead)
     best.planner_ms = (time.perf_counter() - t0) * 1e3
     return best
+
+
+def schedule_ahead(tl: AccessTimeline, p: Plan, lead: float) -> None:
+    """Rebuild ``p``'s recomputes ahead of need, in place: each issued ``lead`` times its
+    rerun time before its ``before_op`` (``Recompute.issue_op``), or as early after that as
+    the memory allows, on a side stream, so that the rerun overlaps the compute stream's
+    backward kernels instead of delaying them (a rebuild reruns forward ops: batch-norm
+    applies, bandwidth-bound, overlap well with convolution gradients, compute-bound).
+
+    A rebuild goes ahead with the dropped sources rebuilt inside it (those due at the same
+    op: :meth:`PlanState._early_rebuilds` put them there), as one group, at one op. It
+    stays on demand if one of them rebuilds an input for itself alone (``transient``) or
+    reads a swapped tensor, or if a dropped source outside the group is not back by then.
+    The group is resident from its ``issue_op`` on, and never above the plan's own peak
+    (``p.peak_after``). Groups are placed in the order backward needs them, so a later
+    group finds its sources' places decided."""
+    curve = simulate(tl, p).curve
+    swapped = {sw.sid for sw in p.swaps}
+    by_sid = {r.sid: r for r in p.recomputes}
+    done: set[int] = set()
+    for r in sorted(p.recomputes, key=lambda r: (r.before_op, -r.sid)):
+        group, todo = {}, [r]
+        while todo:                       # r and the dropped sources rebuilt inside it
+            q = todo.pop()
+            group[q.sid] = q
+            todo += [by_sid[x] for x in q.sources if x in by_sid and x not in group
+                     and by_sid[x].before_op == r.before_op]
+        if done & set(group):
+            continue                      # part of a group placed before
+        members = list(group.values())
+        outside = [by_sid[x] for q in members for x in q.sources if x in by_sid and x not in group]
+        if any(q.transient for q in members) or swapped & {x for q in members for x in q.sources}:
+            continue
+        # the latest op that ends ``lead`` x the reruns before the group is needed, not
+        # before its release or before the dropped sources it reads are back
+        rerun = sum(_rerun_ms(tl, q.producer_op, q.then_ops) for q in members)
+        want = float(tl.start[r.before_op]) - lead * rerun
+        e = max([int(np.searchsorted(tl.end, want + EPS, side="right")) - 1]
+                + [q.release_after_op + 1 for q in members]
+                + [x.before_op if x.issue_op is None else x.issue_op for x in outside])
+        # ... or later, so that the ops between it and the use stay within the peak
+        nbytes = sum(q.nbytes for q in members)
+        over = np.nonzero(curve[e + 1:r.before_op] + nbytes > p.peak_after)[0]
+        if len(over):
+            e += int(over[-1]) + 1
+        if e >= r.before_op - 1:
+            continue                      # no op left to overlap: on demand
+        for q in members:
+            q.issue_op = e
+        curve[e + 1:r.before_op] += nbytes
+        done |= set(group)
+
+
+def check_rebuild_ahead(lead) -> None:
+    if isinstance(lead, bool) or not (isinstance(lead, (int, float)) and 0 <= lead < float("inf")):
+        raise ValueError(f"rebuild_ahead must be a number of rerun times >= 0 (0: on demand), "
+                         f"got {lead!r}")
 
 
 def _rank(p: Plan, budget_bytes: int | None) -> tuple:

@@ -157,7 +157,10 @@ class _Entry:
 
     ``data`` is a uint8 tensor over the whole device storage while it is on the device
     (``None`` once released); ``ready`` an event the compute stream waits for before
-    using ``data`` (after a swap-in); ``out_done`` marks the end of the copy-out.
+    using ``data`` (after a swap-in or a rebuild ahead); ``out_done`` marks the end of the
+    copy-out. ``held``: a rebuild ahead's recipe, kept (with the sources it references)
+    until the compute stream has waited for it, so that no source's block is handed out
+    again while the side stream may still read it.
     """
 
     def __init__(self, sid: int, nbytes: int, swap: Swap | None, rec: Recompute | None):
@@ -171,6 +174,7 @@ class _Entry:
         self.orig: StorageWeakRef | None = None
         self.live_handles = 0
         self.in_backward = False
+        self.held = None
 
     def handle_dropped(self) -> None:
         self.live_handles -= 1
@@ -383,11 +387,13 @@ class PlanRunner:
         self.nodes = recording.graph.nodes
         self.stats = RuntimeStats()
         if simulate:
-            self.d2h = self.h2d = None
+            self.d2h = self.h2d = self.rebuild = None
         else:
             # not torch.cuda.Stream: its pool holds 70 MB outside the allocator (streams.py)
             self.d2h = side_stream(self.device, "d2h")
             self.h2d = side_stream(self.device, "h2d")
+            self.rebuild = side_stream(self.device, "rebuild")   # rebuilds ahead of need
+        self._ahead: list | None = None   # entries rebuilt in the current rebuild ahead
         self._pool: torch.Tensor | None = None
         self._regions: dict[int, torch.Tensor] = {}
         self._persistent: dict[int, _Persistent] = {}
@@ -440,6 +446,11 @@ class PlanRunner:
         for sid in list(self.swaps) + list(self.recomputes) + [s.sid for s in cross]:
             if sid not in known:
                 raise ValueError(f"the plan names storage {sid}, unknown to the recording")
+        for r in plan.recomputes:
+            if r.issue_op is not None and not r.release_after_op < r.issue_op < r.before_op:
+                raise ValueError(f"storage {r.sid}: a rebuild ahead must be issued after its "
+                                 f"release (op {r.release_after_op}) and before its use (op "
+                                 f"{r.before_op}), got issue_op={r.issue_op}")
         # After-op actions: copy-outs (planned start order), releases, copy-ins.
         self.after: dict[int, list[tuple]] = {}
         for s in plan.swaps:
@@ -449,6 +460,8 @@ class PlanRunner:
             self.after.setdefault(s.in_issue_op, []).append((3, s.in_start_ms, "in", s))
         for r in plan.recomputes:
             self.after.setdefault(r.release_after_op, []).append((2, 0.0, "release", r))
+            if r.issue_op is not None:
+                self.after.setdefault(r.issue_op, []).append((4, 0.0, "rebuild", r))
         self.after = {k: [(kind, a) for _, _, kind, a in sorted(v, key=lambda x: x[:2])]
                       for k, v in self.after.items()}
         # Where each managed activation is first produced: grab it there.
@@ -927,6 +940,9 @@ class PlanRunner:
         elif kind == "in":
             if e.data is None and e.host is not None and not e.in_backward:
                 self._swap_in(e, passive=False)
+        elif kind == "rebuild":
+            if e.data is None and e.recipe is not None:
+                self._rebuild_ahead(e)
 
     # ================================================================== copies
     def _swap_out(self, e: _Entry) -> None:
@@ -1161,8 +1177,9 @@ class PlanRunner:
                 raise RuntimeError(f"TENSILE runtime bug: storage {e.sid} was released "
                                    "without a copy or a recompute recipe")
         if e.ready is not None:
-            self._wait(e.ready)
-            e.ready = None
+            self._wait(e.ready)          # on the current stream: the rebuild stream's own
+            if self._ahead is None:      # waits leave it for the compute stream's
+                e.ready, e.held = None, None
         return e.data
 
     def _recompute(self, e: _Entry) -> None:
@@ -1170,8 +1187,42 @@ class PlanRunner:
         data = self._rerun(e, set(e.recompute.transient))
         if e.orig is not None and not e.orig.expired():
             self.stats.ineffective_releases += 1
+        if self._ahead is not None:      # on the rebuild stream: see _rebuild_ahead
+            e.held = (e.recipe, e.then)
+            self._ahead.append(e)
         e.data, e.recipe, e.then, e.orig = data, None, [], None  # drop the sources
         self.stats.recomputes += 1
+
+    def _rebuild_ahead(self, e: _Entry) -> None:
+        """Rebuild ``e`` now, before backward needs it (``Recompute.issue_op``), on the
+        rebuild stream, so that the rerun overlaps the compute stream's work.
+
+        Ordering: the rebuild stream first waits for all compute work issued so far, so it
+        reads its sources after they were written, and a block the compute stream freed
+        before now (the rebuilt tensors go back to the rebuild stream's free list when
+        backward is done with them) is written only after its last reader. Dropped sources
+        of the same group (``before_op`` alike) are rebuilt inside, on the same stream.
+        Every entry rebuilt here gets ``ready``: the compute stream waits for it before its
+        first use (:meth:`_bring_back`), and keeps the recipes (``held``) until then: a
+        source freed by its last reader would otherwise return to the compute stream's free
+        list while this stream may still read it. In a capture the stream is joined back
+        at the end of the step, as the copy streams are."""
+        if self.simulate:
+            self._recompute(e)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.rebuild.wait_stream(compute)
+        self._fork(self.rebuild)
+        self._ahead = []
+        try:
+            with torch.cuda.stream(self.rebuild):
+                self._recompute(e)
+            done = torch.cuda.Event()
+            done.record(self.rebuild)
+            for x in self._ahead:
+                x.ready = done
+        finally:
+            self._ahead = None
 
     def _rerun(self, e: _Entry, transient: set[int]) -> torch.Tensor:
         """``e``'s bytes, rebuilt: its producer, then the in-place updates that followed it

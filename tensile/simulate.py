@@ -9,8 +9,9 @@ per op, conservatively:
   allocates its device buffer when it is issued);
 * cross-iteration swap: gone from op 0 of the (next) iteration up to ``in_issue_op``, or,
   when its copy-out runs past the iteration end, from the first op that starts after it;
-* recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive; the
-  inputs rebuilt only for it (``transient``) count once more during ``before_op``;
+* recomputed tensor: gone between ``release_after_op`` and ``before_op``, exclusive (or,
+  rebuilt ahead, up to and including ``issue_op``); the inputs rebuilt only for it
+  (``transient``) count once more during ``before_op``;
 * source kept for a recompute (``kept``): resident past its last read, up to and
   including the latest ``before_op`` of the recomputes that keep it.
 """
@@ -50,7 +51,7 @@ def absent_ranges(timeline: AccessTimeline, plan: Plan) -> dict[int, tuple[int, 
             out[s.sid] = (timeline.first_op_starting_at_or_after(freed_at), s.in_issue_op)
     for r in plan.recomputes:
         _known(timeline, r.sid)
-        out[r.sid] = (r.release_after_op + 1, r.before_op - 1)
+        out[r.sid] = (r.release_after_op + 1, r.before_op - 1 if r.issue_op is None else r.issue_op)
     return out
 
 

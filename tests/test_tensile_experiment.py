@@ -142,6 +142,18 @@ def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch)
     assert flags == [True]   # (what it does: tests/test_tensile_runtime.py)
 
 
+def test_rebuild_ahead_reaches_the_plan_and_names_the_method(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
+                        "experiment.rebuild_ahead=2", "experiment.snapshot=true"))
+    row = _rows(tmp_path)["tensile(rebuild_ahead=2)"]
+    assert row["status"] == "ok", row["reason"]
+    from tensile import PlanningSnapshot
+    snap = PlanningSnapshot.load(row["extra"]["snapshot_path"])
+    ahead = sum(r.issue_op is not None for r in snap.plan.recomputes)
+    assert row["extra"]["recomputes_ahead"] == ahead > 0
+    assert ahead == sum(r.issue_op is not None for r in snap.replan(rebuild_ahead=2.0).recomputes)
+
+
 def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "trace=true"))
     for name in ("vanilla", "tensile"):
@@ -272,6 +284,8 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
+    (["experiment.rebuild_ahead=-2"], r"rebuild_ahead must be a number of rerun times >= 0 \(0: "
+                                      r"rebuild on demand\), got -2"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
     (["experiment.stream_prefetch=0"], r"stream_prefetch must be a number of groups >= 1, got 0"),
     (["experiment.allow_swaps=maybe"], "experiment.allow_swaps must be true or false, got 'maybe'"),

@@ -426,13 +426,17 @@ def test_batch_norm_rebuilt_from_its_statistics_is_the_ops_output_on_cuda(op):
 
 
 @pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
-def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
+@pytest.mark.parametrize("ahead", [0.0, 2.0], ids=["on_demand", "rebuild_ahead"])
+def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured(ahead):
     """Recomputes that rerun in-place updates (BN + ReLU(inplace), add_), batch norm on
     scratch running statistics, and inputs rebuilt first (kept, or for one recompute),
-    on CUDA: the scheduled step, eager and captured, trains as eager does."""
+    on CUDA: the scheduled step, eager and captured, trains as eager does; also with the
+    rebuilds ahead of need on the side stream (``rebuild_ahead``), where a missing wait or
+    a block reused too early would show as a wrong result."""
     data = batches(8)
     m0, o0 = _eager(data, 32, make_cuda_resnet)
-    kwargs = dict(budget=1, d2h_bw=1e3, h2d_bw=1e3, replan=False, allow_cross_iteration=False)
+    kwargs = dict(budget=1, d2h_bw=1e3, h2d_bw=1e3, replan=False, allow_cross_iteration=False,
+                  rebuild_ahead=ahead)
     model = make_cuda_resnet(32)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **kwargs)
@@ -440,6 +444,7 @@ def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured():
         sched.step(*b)
     p = sched.plan
     assert any(r.then_ops for r in p.recomputes) and any(r.scratch for r in p.recomputes)
+    assert any(r.issue_op is not None for r in p.recomputes) == bool(ahead)
     rebuilt = {r.sid for r in p.recomputes}
     print(p.summary(), f"{sum(bool(set(r.sources) & rebuilt) for r in p.recomputes)} recomputes "
           f"rebuild an input first, {sum(bool(r.transient) for r in p.recomputes)} for one alone")

@@ -522,6 +522,41 @@ def test_chained_recomputes_rebuild_in_place_updates_and_train_bit_identically()
         assert torch.equal(a, b)
 
 
+def test_rebuilds_ahead_of_need_run_at_their_issue_op_and_train_bit_identically(monkeypatch):
+    """``rebuild_ahead``: rebuilds (chains included) run after their ``issue_op``, before
+    backward needs them (on a side stream on CUDA), within the plan's peak; training is
+    unchanged."""
+    from tensile.runtime import PlanRunner
+    issued = []
+    real = PlanRunner._rebuild_ahead
+
+    def counting(self, e):
+        issued.append((self.k, e.sid))
+        return real(self, e)
+    monkeypatch.setattr(PlanRunner, "_rebuild_ahead", counting)
+    steps = 4
+    states, sched = _vanilla_and_scheduled(make_resnet, steps, budget=1, rebuild_ahead=2.0)
+    p, tl = sched.plan, sched.timeline
+    ahead = {r.sid: r for r in p.recomputes if r.issue_op is not None}
+    assert ahead and len(ahead) < len(p.recomputes)   # some ahead, some on demand
+    assert any(set(r.sources) & set(ahead) for r in ahead.values()), "no chain went ahead"
+    for r in ahead.values():
+        assert r.release_after_op < r.issue_op < r.before_op - 1 and not r.transient
+    assert tensile.simulate(tl, p).peak == p.peak_after
+    assert "rebuilt ahead" in p.summary()
+    assert any("ahead, on a side stream" in a for acts in p.actions().values() for a in acts)
+    # each step rebuilds every group ahead once, before the op after its issue_op
+    first = {r.issue_op for r in ahead.values()}
+    assert len(issued) >= steps * len(first)
+    assert all(k <= ahead[sid].issue_op + 1 for k, sid in issued)
+    report = sched.report()
+    assert report.recomputes == steps * len(p.recomputes) and report.ineffective_releases == 0
+    for a, b in zip(*states):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="rebuild_ahead must be a number of rerun times"):
+        tensile.planner.plan(tl, d2h_bw=1e9, h2d_bw=1e9, rebuild_ahead=-1)
+
+
 def test_batch_norm_rebuilt_from_its_batch_statistics_trains_within_tolerance(monkeypatch):
     """With ``batch_norm_from_stats`` the runtime rebuilds a training-mode batch norm from
     the mean and inverse std the op returned: the plan's batch-norm recomputes all run that
