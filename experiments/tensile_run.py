@@ -40,7 +40,7 @@ from omegaconf import ListConfig, OmegaConf
 
 from experiments.run import RUN_ID, ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
-from experiments.store import ResultStore, file_slug, row_key
+from experiments.store import ResultStore, date_stamp, file_slug, row_key
 from experiments.timing import measure
 from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
@@ -639,8 +639,8 @@ def measure_method(name: str, build: Callable[[], torch.nn.Module], batch: tuple
              "loss": loss}
     extra.update(_scheduler_metrics(before, stats) if name in SCHEDULED else stats)
     extra.update(kernels)
-    if saved is not None:
-        extra["snapshot_path"] = str(saved)
+    if saved is not None:   # beside the rows' CSV
+        extra["snapshot_file"] = saved.name
     if cuda and name in GRAPHED:   # a replay allocates nothing: the capture's peak is every step's
         peaks = [stats["graph_peak_mb"] - resident_mb]
         reserved = [stats["graph_reserved_mb"] - resident_reserved_mb]
@@ -871,7 +871,9 @@ def run(cfg, models, device: str, env: dict, out_dir: Path,
             snap = None
             if exp.get("snapshot", False):
                 label = method_label(name, exp)
-                snap = (out_dir / f"snapshot_tensile_{cfg.model.name}_b{cfg.batch_size}_{file_slug(label)}.json.gz",
+                stamp = date_stamp(env["date"]) if env.get("date") else ""
+                snap = (out_dir / f"snapshot_tensile_{cfg.model.name}_b{cfg.batch_size}_{file_slug(label)}"
+                                  f"_{stamp}.json.gz",
                         {"model": cfg.model.name, "batch_size": int(cfg.batch_size),
                          "backend": label, **{k: env.get(k) for k in ("gpu", "torch", "commit", "date")}})
             fields = measure_method(name, build, batch, exp, device, warmup, iters, repeats, opts,

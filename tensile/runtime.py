@@ -387,12 +387,12 @@ class PlanRunner:
         self.nodes = recording.graph.nodes
         self.stats = RuntimeStats()
         if simulate:
-            self.d2h = self.h2d = self.rebuild = None
+            self.d2h = self.h2d = None
         else:
             # not torch.cuda.Stream: its pool holds 70 MB outside the allocator (streams.py)
             self.d2h = side_stream(self.device, "d2h")
             self.h2d = side_stream(self.device, "h2d")
-            self.rebuild = side_stream(self.device, "rebuild")   # rebuilds ahead of need
+        self.rebuild = None   # rebuilds ahead of need: created by the first one
         self._ahead: list | None = None   # entries rebuilt in the current rebuild ahead
         self._pool: torch.Tensor | None = None
         self._regions: dict[int, torch.Tensor] = {}
@@ -1211,6 +1211,8 @@ class PlanRunner:
             self._recompute(e)
             return
         compute = torch.cuda.current_stream(self.device)
+        if self.rebuild is None:
+            self.rebuild = side_stream(self.device, "rebuild")
         self.rebuild.wait_stream(compute)
         self._fork(self.rebuild)
         self._ahead = []

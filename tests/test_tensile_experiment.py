@@ -7,6 +7,7 @@ measured).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,7 +149,7 @@ def test_rebuild_ahead_reaches_the_plan_and_names_the_method(small, tmp_path):
     row = _rows(tmp_path)["tensile(rebuild_ahead=2)"]
     assert row["status"] == "ok", row["reason"]
     from tensile import PlanningSnapshot
-    snap = PlanningSnapshot.load(row["extra"]["snapshot_path"])
+    snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
     ahead = sum(r.issue_op is not None for r in snap.plan.recomputes)
     assert row["extra"]["recomputes_ahead"] == ahead > 0
     assert ahead == sum(r.issue_op is not None for r in snap.replan(rebuild_ahead=2.0).recomputes)
@@ -166,10 +167,10 @@ def test_snapshot_saves_each_planned_method_so_it_replans_offline(small, tmp_pat
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile,capuchin]",
                         "experiment.budget=0.9", "experiment.snapshot=true"))
     rows = _rows(tmp_path)
-    assert "snapshot_path" not in rows["vanilla"]["extra"]      # nothing planned
+    assert "snapshot_file" not in rows["vanilla"]["extra"]      # nothing planned
     for backend in ("tensile", "capuchin"):
-        path = Path(rows[backend]["extra"]["snapshot_path"])
-        assert path.name == f"snapshot_tensile_small_b4_{backend}.json.gz"
+        path = tmp_path / "cpu" / rows[backend]["extra"]["snapshot_file"]
+        assert re.fullmatch(rf"snapshot_tensile_small_b4_{backend}_\d{{8}}T\d{{6}}\.json\.gz", path.name)
         snap = PlanningSnapshot.load(path)
         assert snap.meta["backend"] == backend and snap.meta["batch_size"] == 4
         assert snap.budget_bytes == snap.plan.budget_bytes > 0
@@ -177,7 +178,7 @@ def test_snapshot_saves_each_planned_method_so_it_replans_offline(small, tmp_pat
         assert simulate(snap.timeline, snap.plan).peak == snap.plan.peak_after
         assert simulate(snap.timeline).peak == snap.plan.peak_before
     # the saved inputs give TENSILE's own plan back
-    snap = PlanningSnapshot.load(Path(rows["tensile"]["extra"]["snapshot_path"]))
+    snap = PlanningSnapshot.load(tmp_path / "cpu" / rows["tensile"]["extra"]["snapshot_file"])
     assert snap.replan().same_actions(snap.plan)
 
 
