@@ -10,7 +10,8 @@ are never edited: a row already present (every column equal) is skipped, every o
 is appended as it was written (measurement rows through :class:`experiments.store.ResultStore`;
 tables of their own, like the headroom's, line for line). Two files of one name with
 different column lists are refused, never mixed. Side files that experiments write next
-to the rows (TENSILE's several-jobs timelines and their plots) are copied when absent. When a
+to the rows (TENSILE's several-jobs timelines and their plots, TENSILE's planning snapshots)
+are copied when absent. When a
 different file of that name is here already (the same setting measured in another run, by
 code that named these files per setting only), the incoming one is copied under its name plus
 the date of the row that names it (``..._20261130T042653.png``), and the rows' file reference
@@ -38,9 +39,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Files experiments write beside the rows, kept byte for byte: TENSILE's several-jobs
 # memory timelines and their plots (drawn at run time from samples that only the timeline
 # keeps). Every other CSV there holds rows.
-SIDE_FILES = ("tensile_multi_timeline_*.csv", "tensile_multi_*.png")
-# The keys of a row's ``extra`` that name its side files.
-SIDE_FILE_KEYS = ("timeline_csv", "plot_png")
+SIDE_FILES = ("tensile_multi_timeline_*.csv", "tensile_multi_*.png", "snapshot_tensile_*.json.gz")
+# The keys of a row's ``extra`` that name its side files (by file name; ``snapshot_path``,
+# before 2026-12-01: by the path on the host that wrote it).
+SIDE_FILE_KEYS = ("timeline_csv", "plot_png", "snapshot_file", "snapshot_path")
 
 
 @dataclass
@@ -134,7 +136,8 @@ def _copy_side_file(path: Path, target: Path, source: Path, report: MergeReport,
         if stamp is None:
             raise FileExistsError(f"{target} exists and differs from {path}, and no row there "
                                   "names it: raw files are never overwritten; move one aside")
-        target = target.with_name(f"{target.stem}_{stamp}{target.suffix}")
+        stem, ext = _split_ext(target.name)
+        target = target.with_name(f"{stem}_{stamp}{ext}")
         if target.exists() and not filecmp.cmp(path, target, shallow=False):
             raise FileExistsError(f"{target} exists and differs from {path}: raw files are "
                                   "never overwritten; move one aside")
@@ -148,6 +151,18 @@ def _copy_side_file(path: Path, target: Path, source: Path, report: MergeReport,
     return target.name
 
 
+def _split_ext(name: str) -> tuple[str, str]:
+    """``name`` as (stem, extension), ``.json.gz`` whole (names hold other dots: ``_0.1_``)."""
+    if name.endswith(".json.gz"):
+        return name[:-len(".json.gz")], ".json.gz"
+    return Path(name).stem, Path(name).suffix
+
+
+def _names(extra: dict) -> dict[str, str]:
+    """The side files ``extra`` names: key -> file name."""
+    return {k: Path(extra[k]).name for k in SIDE_FILE_KEYS if isinstance(extra.get(k), str)}
+
+
 def _date_of_row_naming(side_file: Path) -> str | None:
     """``YYYYMMDDTHHMMSS`` of the (last) row beside ``side_file`` whose extra names it."""
     stamp = None
@@ -156,7 +171,7 @@ def _date_of_row_naming(side_file: Path) -> str | None:
             continue
         for row in read_rows(csv_path):
             extra = json.loads(row["extra"]) if row.get("extra") else {}
-            if side_file.name in (extra.get(k) for k in SIDE_FILE_KEYS):
+            if side_file.name in _names(extra).values():
                 stamp = date_stamp(row["date"])
     return stamp
 
@@ -166,9 +181,10 @@ def _renamed_side_files(row: dict, renames: dict[str, str]) -> dict:
     if not renames or not row.get("extra"):
         return row
     extra = json.loads(row["extra"])
-    if not any(extra.get(k) in renames for k in SIDE_FILE_KEYS):
+    named = {k: renames[v] for k, v in _names(extra).items() if v in renames}
+    if not named:
         return row
-    extra.update({k: renames[extra[k]] for k in SIDE_FILE_KEYS if extra.get(k) in renames})
+    extra.update(named)
     return {**row, "extra": json.dumps(extra, sort_keys=True)}
 
 

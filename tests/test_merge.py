@@ -111,3 +111,24 @@ def test_an_experiments_own_table_is_merged_line_for_line(tmp_path):
     (src / "h200" / "headroom.csv").write_text("model,overlap\ndarts,1.3\n")
     with pytest.raises(ValueError, match="files of two column lists are never mixed"):
         merge.merge_results(src, dest)
+
+
+def test_planning_snapshots_travel_with_their_rows(tmp_path):
+    """TENSILE's planning snapshots are side files; rows before 2026-12-01 name theirs by
+    the writing host's path: a differing one of the same name is kept under its row's date."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    name = "snapshot_tensile_resnet50_b16_tensile_graph_copy_latency_ms_0.1.json.gz"
+    ResultStore(dest / "h200" / "tensile.csv").append(
+        dict(_multi_row("2026-12-01T07:40:04+00:00", "t.csv", 0.1), extra={"snapshot_path": f"/tmp/w/res/h200/{name}"}))
+    (dest / "h200" / name).write_bytes(b"old")
+    ResultStore(src / "h200" / "tensile.csv").append(
+        dict(_multi_row("2026-12-01T07:49:01+00:00", "t.csv", 0.2), extra={"snapshot_path": f"/tmp/w/res/h200/{name}"}))
+    (src / "h200" / name).write_bytes(b"new")
+    (src / "h200" / "snapshot_tensile_x_20261201T075443.json.gz").write_bytes(b"named by file")
+    report = merge.merge_results(src, dest)
+    kept = "snapshot_tensile_resnet50_b16_tensile_graph_copy_latency_ms_0.1_20261201T074901.json.gz"
+    assert report.renamed == {f"h200/{name}": kept}
+    assert (dest / "h200" / name).read_bytes() == b"old" and (dest / "h200" / kept).read_bytes() == b"new"
+    assert (dest / "h200" / "snapshot_tensile_x_20261201T075443.json.gz").read_bytes() == b"named by file"
+    old, new = (json.loads(r["extra"]) for r in read_rows(dest / "h200" / "tensile.csv"))
+    assert old["snapshot_path"].endswith(name) and new["snapshot_path"] == kept
