@@ -50,6 +50,9 @@ Mechanism (reference §9, §11):
   that is itself a managed activation is kept as a reference to its entry, not to its
   memory, and brought back first (recomputed or copied in) when the recompute runs, or,
   where the plan says so (``Recompute.transient``), rebuilt for that recompute alone;
+* a recompute with an ``issue_op`` (``plan(rebuild_ahead=...)``) runs right after that op on
+  a third side stream instead of when backward first needs it; the compute stream waits on
+  an event before its first use (:meth:`PlanRunner._rebuild_ahead` says why that is safe);
 * parameters swapped across the iteration boundary are copied out after their update
   and become pinned host tensors (``p.data``) when the *next* step starts, so between
   steps every parameter is the valid device tensor and no host synchronisation is
