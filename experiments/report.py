@@ -1357,17 +1357,20 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         bounds = _read_csv(results_dir / "analysis" / "tensile_bounds.csv")
         if bounds is not None and (bounds["status"] == "ok").any():
             cols = ["model", "batch_size", "builtin", "budget_mb", "allowed_ms", "measured_ms",
-                    "greedy_ms", "bound_ms", "bound_swaps_ms", "reachable", "job_commit", "commit"]
+                    "op_times", "greedy_ms", "bound_ms", "bound_swaps_ms", "reachable", "job_commit",
+                    "commit"]
             shown = bounds[bounds["status"] == "ok"]
             md += ["### The equal-peak jobs against the floor on any plan, worked out on the CPU", "",
-                   "`python -m experiments.tensile_bounds`: each model's latest equal-peak job, its "
-                   "step recorded on the CPU and timed as `experiments.tensile_plans` does (roofline "
-                   "shape scaled to the job's captured vanilla step, batch norms at the job's "
-                   "measured rebuild share). ms over the captured vanilla step: allowed (what 1.2x "
-                   "leaves), measured (the job's plan on the GPU), greedy (the planner's estimate "
-                   "here), bound (the least any plan of rebuilds, or of rebuilds and swaps, adds "
-                   "here: `tensile.bound`). In the planner's cost model, not measured: "
-                   "`reachable` says only whether the floor lies within the allowance.", "",
+                   "`python -m experiments.tensile_bounds`: each model's latest equal-peak job, on "
+                   "the timeline its GPU planned with where the job saved its planning snapshot "
+                   "(op_times gpu), else on its step recorded on the CPU and timed as "
+                   "`experiments.tensile_plans` does (cpu: roofline shape scaled to the job's "
+                   "captured vanilla step, batch norms at the job's measured rebuild share). ms over "
+                   "the captured vanilla step: allowed (what 1.2x leaves), measured (the job's plan "
+                   "on the GPU), greedy (the planner's estimate of its plan), bound (the least any "
+                   "plan of rebuilds, or of rebuilds and swaps, adds there: `tensile.bound`). In the "
+                   "planner's cost model, not measured: `reachable` says only whether the floor lies "
+                   "within the allowance.", "",
                    md_table(shown[[c for c in cols if c in shown.columns]]), ""]
         plans = _read_csv(results_dir / "analysis" / "tensile_plans.csv")
         figures["tensile_tradeoff.png"] = plot_tensile_tradeoff(metrics, paper_tensile, plans)

@@ -7,14 +7,19 @@ Per model, the latest equal-peak job measured on ``--gpu`` (``+sweep=tensile_equ
 ``tensile_graph(match_peak=checkpoint_graph,…,bn_from_stats)`` rows of
 ``results/<gpu>/tensile.csv``): the budget its plan fitted, the captured vanilla step
 (``graph``) and the built-in (``checkpoint_graph``) of the same job, and the batch-norm
-rebuild share the GPU measured (median). The step is recorded on the CPU and timed as
+rebuild share the GPU measured (median). Where the job saved its planning snapshot
+(``experiment.snapshot=true``, :class:`tensile.PlanningSnapshot`, beside the rows), its
+timeline is the one the GPU planned with: op times measured there (``op_times`` = "gpu").
+Otherwise the step is recorded on the CPU and timed as
 :func:`experiments.tensile_plans.recorded_timeline` does (roofline shape scaled to that
-captured step, the job's copy bandwidths, every batch norm at that share). At the budget:
+captured step, the job's copy bandwidths, every batch norm at that share; "cpu"). At the
+budget:
 
 * ``allowed_ms``: what 1.2x over the built-in leaves over the captured vanilla step;
 * ``measured_ms``: what the job's plan added over it on the GPU;
 * ``greedy_ms``: what TENSILE's planner estimates its plan adds (within the iteration, as
-  a captured step needs; with swaps as the job allowed them);
+  a captured step needs; with swaps as the job allowed them): with a snapshot, the plan the
+  GPU ran, as it priced it;
 * ``bound_ms`` / ``bound_swaps_ms``: the least any plan of rebuilds (and swaps at the
   measured bandwidths) can add (:func:`tensile.bound.extra_time_bound`).
 
@@ -37,6 +42,7 @@ from experiments.report import (EQUAL_PEAK_TARGET, earlier_in_job, equal_peak_al
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
 from tensile.planner import plan
+from tensile.snapshot import PlanningSnapshot
 
 __all__ = ["COLUMNS", "equal_peak_job", "bound_model", "run_bounds"]
 
@@ -44,7 +50,7 @@ MB = 2 ** 20
 DEFAULT_MODELS = ("inception_v4", "resnet50", "densenet121")   # the equal-peak sweep's
 COLUMNS = [
     "model", "batch_size", "tensile", "builtin", "budget_mb", "step_ms", "builtin_ms",
-    "allowed_ms", "measured_ms", "bn_share", "d2h_gbps", "h2d_gbps", "greedy_ms",
+    "allowed_ms", "measured_ms", "bn_share", "d2h_gbps", "h2d_gbps", "op_times", "snapshot", "greedy_ms",
     "greedy_feasible", "bound_ms", "bound_swaps_ms", "reachable", "job_commit", "job_date",
     "status", "error", "torch", "torchvision", "timm", "commit", "date",
 ]
@@ -73,13 +79,16 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
                 "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),
                 "h2d_gbps": extra.get("h2d_gbps_measured") or extra.get("h2d_gbps"),
                 "allow_swaps": "allow_swaps=false" not in r["backend"],
+                # its planning snapshot beside the rows, by file name (older rows: a path)
+                "snapshot": Path(extra.get("snapshot_file") or extra.get("snapshot_path") or "").name,
                 "commit": str(r["commit"])[:7], "date": str(r["date"])}
     return None
 
 
 def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
     """One row: the equal-peak job of ``name`` and, at its budget, the greedy plan's and
-    the bound's extra time on the CPU-recorded step (module notes)."""
+    the bound's extra time on its GPU snapshot's timeline, or else on the CPU-recorded step
+    (module notes)."""
     base = {"model": name, "batch_size": batch_size}
     job = equal_peak_job(gpu_dir, name, batch_size)
     if job is None:
@@ -91,14 +100,23 @@ def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
            "builtin_ms": round(job["builtin_ms"], 3), "allowed_ms": round(allowed, 3),
            "measured_ms": round(job["tensile_ms"] - job["step_ms"], 3),
            "bn_share": round(job["bn_share"], 3), "job_commit": job["commit"], "job_date": job["date"]}
+    snapshot = gpu_dir / job["snapshot"] if job["snapshot"] else None
     try:
-        measured = {"step_ms": job["step_ms"], "d2h_gbps": job["d2h_gbps"], "h2d_gbps": job["h2d_gbps"]}
-        tl, _, d2h, h2d = recorded_timeline(name, batch_size, measured, bn_share=job["bn_share"])
-        greedy = plan(tl, budget_bytes=job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
-                      allow_cross_iteration=False, allow_swaps=job["allow_swaps"], min_bytes=1 << 16)
-        alone = extra_time_bound(tl, job["budget"], min_bytes=1 << 16)
+        if snapshot is not None and snapshot.exists():   # the GPU's own timeline and plan
+            snap = PlanningSnapshot.load(snapshot)
+            tl, d2h, h2d, min_bytes, greedy = (snap.timeline, snap.d2h_bw / 1e9, snap.h2d_bw / 1e9,
+                                               snap.min_bytes, snap.plan)
+            row.update(op_times="gpu", snapshot=snapshot.name)
+        else:
+            measured = {"step_ms": job["step_ms"], "d2h_gbps": job["d2h_gbps"], "h2d_gbps": job["h2d_gbps"]}
+            tl, _, d2h, h2d = recorded_timeline(name, batch_size, measured, bn_share=job["bn_share"])
+            min_bytes = 1 << 16
+            greedy = plan(tl, budget_bytes=job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
+                          allow_cross_iteration=False, allow_swaps=job["allow_swaps"], min_bytes=min_bytes)
+            row.update(op_times="cpu", snapshot="")
+        alone = extra_time_bound(tl, job["budget"], min_bytes=min_bytes)
         swapped = extra_time_bound(tl, job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
-                                   min_bytes=1 << 16)
+                                   min_bytes=min_bytes)
     except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
         return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
 
@@ -122,16 +140,18 @@ def run_bounds(names: list[str], gpu_dir: str | Path, out_dir: str | Path,
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "tensile_bounds.csv", index=False)
     shown = df[["model", "batch_size", "builtin", "budget_mb", "step_ms", "builtin_ms", "allowed_ms",
-                "measured_ms", "greedy_ms", "bound_ms", "bound_swaps_ms", "reachable", "job_commit",
-                "status"]]
+                "measured_ms", "op_times", "greedy_ms", "bound_ms", "bound_swaps_ms", "reachable",
+                "job_commit", "status"]]
     (out / "tensile_bounds.md").write_text(
         f"# At a built-in's peak: TENSILE's plan against the best any plan could do\n\n"
         f"Written by `python -m experiments.tensile_bounds` (commit {env['commit']}, {env['date']}, "
         f"torch {env['torch']}) from the equal-peak jobs in `{gpu_dir}`. ms added over the "
         f"captured vanilla step: allowed = built-in / {EQUAL_PEAK_TARGET} − step; measured = the job's "
-        "plan on the GPU; greedy = the planner's estimate on the CPU-recorded step; bound = "
-        "the least any plan of rebuilds (and swaps) can add there (`tensile.bound`). A bound "
-        "in the planner's cost model, not a measurement: see the module docstring.\n\n"
+        "plan on the GPU; op_times = whose op times price the plan and the bound: gpu = the job's "
+        "planning snapshot (what the GPU measured and planned with), cpu = the step recorded "
+        "here, roofline-shaped; greedy = the planner's estimate of its plan; bound = the least "
+        "any plan of rebuilds (and swaps) can add there (`tensile.bound`). A bound in the "
+        "planner's cost model, not a measurement: see the module docstring.\n\n"
         + shown.to_markdown(index=False) + "\n")
     return df
 

@@ -56,6 +56,33 @@ def test_a_job_is_bounded_into_rows_and_a_table(tmp_path):
     assert "| mobilenet_v2 |" in text.split("against the floor on any plan")[1].split("###")[0]
 
 
+def test_a_job_with_a_planning_snapshot_is_bounded_on_the_gpus_timeline(tmp_path):
+    from experiments.tensile_plans import recorded_timeline
+    from tensile import PlanningSnapshot
+    from tensile.bound import extra_time_bound
+    from tensile.planner import plan
+    gpu = tmp_path / "results" / "h200"
+    tl, _, _, _ = recorded_timeline("mobilenet_v2", 2, {"step_ms": 3.0, "d2h_gbps": 40.0, "h2d_gbps": 45.0})
+    tl.op_ms[:] = tl.op_ms * 3      # not what the CPU recording would say: the row must use these
+    budget = 140 * 2**20
+    ran = plan(tl, budget_bytes=budget, d2h_bw=40e9, h2d_bw=45e9, allow_cross_iteration=False,
+               min_bytes=1 << 16)
+    PlanningSnapshot(timeline=tl, budget_bytes=budget, d2h_bw=40e9, h2d_bw=45e9, copy_latency_ms=0.1,
+                     min_bytes=1 << 16, plan=ran, meta={}).save(gpu / "snapshot_tensile_x.json.gz")
+    gpu_rows(gpu, job("a", "2026-11-30T04:00:00+00:00", snapshot_file="snapshot_tensile_x.json.gz"))
+    df = tensile_bounds.run_bounds(["mobilenet_v2"], gpu, tmp_path / "out", batch_size=2)
+    row = df.iloc[0]
+    assert row["status"] == "ok", row["error"]
+    assert (row["op_times"], row["snapshot"]) == ("gpu", "snapshot_tensile_x.json.gz")
+    assert row["greedy_ms"] == pytest.approx(ran.est_overhead_ms, abs=1e-3)
+    assert row["bound_ms"] == pytest.approx(extra_time_bound(tl, budget, min_bytes=1 << 16).extra_ms, abs=1e-3)
+    # a snapshot named but not here: the CPU recording, said so
+    (gpu / "snapshot_tensile_x.json.gz").unlink()
+    row = tensile_bounds.run_bounds(["mobilenet_v2"], gpu, tmp_path / "out", batch_size=2).iloc[0]
+    assert row["status"] == "ok" and row["op_times"] == "cpu"
+    assert row["greedy_ms"] < ran.est_overhead_ms
+
+
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(KeyError):
         tensile_bounds.run_bounds(["no_such_model"], tmp_path, tmp_path)
