@@ -1102,6 +1102,48 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
     return fig
 
 
+def equal_peak_snapshots(gpu_dir: str | Path, every_row: pd.DataFrame) -> dict[str, Path]:
+    """Per model, the planning snapshot (``experiment.snapshot=true``) of its latest equal-peak
+    ``tensile_graph`` row that saved one and has it in ``gpu_dir``; ``every_row``: the rows
+    of :func:`load_rows` with ``every_row``, in the order measured."""
+    found: dict[str, Path] = {}
+    for r, extra in _tensile_rows(every_row):
+        name = extra.get("snapshot_file") or extra.get("snapshot_path")
+        if str(r["backend"]).startswith("tensile_graph(match_peak=") and name \
+                and (Path(gpu_dir) / Path(name).name).exists():
+            found[r["model"]] = Path(gpu_dir) / Path(name).name
+    return found
+
+
+def plot_plan_memory(snapshots: dict[str, Path]) -> Figure | None:
+    """One panel per model: the resident bytes over its step without a plan and with the plan
+    its GPU ran (:func:`tensile.simulate` on the saved timeline, op times measured there),
+    and the budget, with the plan's priced extra time and the floor on any plan's
+    (:func:`tensile.bound.extra_time_bound`, rebuilds only)."""
+    if not snapshots:
+        return None
+    from tensile import PlanningSnapshot, simulate          # torch: only when there is one
+    from tensile.bound import extra_time_bound
+    fig, axes = plt.subplots(1, len(snapshots), figsize=(5.0 * len(snapshots), 3.4), squeeze=False)
+    for ax, (model, path) in zip(axes[0], snapshots.items()):
+        snap = PlanningSnapshot.load(path)
+        tl, plan = snap.timeline, snap.plan
+        t = np.asarray(tl.start)
+        ax.plot(t, simulate(tl).curve / 2**20, lw=1, color="gray", label="no plan")
+        ax.plot(t, simulate(tl, plan).curve / 2**20, lw=1, label="the plan the GPU ran")
+        floor = extra_time_bound(tl, snap.budget_bytes, min_bytes=snap.min_bytes).extra_ms
+        ax.axhline(snap.budget_bytes / 2**20, ls="--", color="black", lw=0.8, label="budget")
+        ax.set_title(f"{model}: priced {plan.est_overhead_ms:.3f} ms, floor "
+                     f"{'none' if floor is None else f'{floor:.3f}'} ms", fontsize=9)
+        ax.set_xlabel("ms into the step (measured op times)")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0][0].set_ylabel("resident MiB")
+    fig.suptitle("TENSILE at a built-in's peak: memory over the step, from the jobs' planning "
+                 "snapshots", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     """Per several-jobs setting (:func:`tensile_multi_table`): our MSR on NVML memory beside
     the allocator share (the most any plan could save there) and the authors' MSR."""
@@ -1354,6 +1396,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "= what the planner priced its plan at; bound = the least any plan of rebuilds "
                    "(and swaps, where allowed) could be priced at on the same op times "
                    "(`tensile.bound`).", "", md_table(equal), ""]
+            figures["tensile_plan_memory.png"] = plot_plan_memory(equal_peak_snapshots(gpu_dir, every_row))
         bounds = _read_csv(results_dir / "analysis" / "tensile_bounds.csv")
         if bounds is not None and (bounds["status"] == "ok").any():
             cols = ["model", "batch_size", "builtin", "budget_mb", "allowed_ms", "measured_ms",

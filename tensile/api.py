@@ -409,10 +409,12 @@ class Scheduler:
         """The current plan with what it was planned from (:attr:`timeline`, budget, copy
         bandwidths): :meth:`PlanningSnapshot.save` it to plan again offline, on the CPU,
         with this machine's op times. ``meta``: facts to keep with it (model, GPU, ...)."""
+        ours = isinstance(self.planner, functools.partial) and self.planner.func is make_plan
         return PlanningSnapshot(timeline=self.timeline, budget_bytes=self.budget_bytes,
                                 d2h_bw=self.d2h_bw, h2d_bw=self.h2d_bw,
                                 copy_latency_ms=self.copy_latency_ms, min_bytes=self.min_bytes,
-                                plan=self.plan, meta=dict(meta))
+                                plan=self.plan, meta=dict(meta),
+                                options=dict(self.planner.keywords) if ours else None)
 
     def step(self, *batch) -> torch.Tensor:
         """One training step under the current plan; returns the (detached) loss."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -93,10 +94,39 @@ def plan(
             other = _greedy(*args, allow_swaps=swaps, transient=transient)
             if _rank(other, budget_bytes) < _rank(best, budget_bytes):
                 best = other
+    if best.recomputes:
+        best = keep_what_fits(timeline, best)
     if rebuild_ahead:
         schedule_ahead(timeline, best, rebuild_ahead)
     best.planner_ms = (time.perf_counter() - t0) * 1e3
     return best
+
+
+def keep_what_fits(tl: AccessTimeline, p: Plan) -> Plan:
+    """``p`` without the recomputes it does not need: the greedy rounds drop whole tensors
+    at the peak of the moment, so the last ones often take the memory below the budget by
+    more than a tensor, and a drop made early may be covered by later ones. Costliest
+    first, a recompute that no other one reads (as a source, or rebuilt for it alone) is
+    taken out again where the memory (:func:`simulate`) stays within the budget (without
+    one, or when the budget is not met: within the plan's own peak). Repeated until none
+    can go. A reverse-delete pass, as for greedy set covers; it only removes work."""
+    cap = p.budget_bytes if p.budget_bytes is not None and p.feasible else p.peak_after
+    kept = list(p.recomputes)
+    removed = True
+    while removed:
+        removed = False
+        read = {s for r in kept for s in [*r.sources, *r.transient]}
+        for r in sorted(kept, key=lambda r: (-r.cost_ms, r.sid)):
+            if r.sid in read:
+                continue
+            trial = [q for q in kept if q is not r]
+            if simulate(tl, replace(p, recomputes=trial)).peak <= cap:
+                kept, removed = trial, True
+                read = {s for q in kept for s in [*q.sources, *q.transient]}
+    if len(kept) == len(p.recomputes):
+        return p
+    return replace(p, recomputes=kept, peak_after=simulate(tl, replace(p, recomputes=kept)).peak,
+                   est_overhead_ms=float(sum(r.cost_ms for r in kept)))
 
 
 def schedule_ahead(tl: AccessTimeline, p: Plan, lead: float) -> None:

@@ -26,15 +26,17 @@ from .timeline import AccessTimeline
 __all__ = ["PlanningSnapshot"]
 
 _KEYS = {"format", "timeline", "op_ms", "budget_bytes", "d2h_bw", "h2d_bw", "copy_latency_ms",
-         "min_bytes", "plan", "meta"}
+         "min_bytes", "plan", "meta", "options"}
 FORMAT = "tensile-planning-snapshot/1"
 
 
 @dataclass
 class PlanningSnapshot:
     """A planner's inputs (timeline with its op times, budget, bandwidths in bytes/s, copy
-    latency, smallest tensor moved) and the plan it made from them. ``meta``: free-form
-    facts about where it came from (model, batch, GPU, commit)."""
+    latency, smallest tensor moved) and the plan it made from them. ``options``: the
+    options of :func:`tensile.planner.plan` it was made with (``allow_swaps``, ...), or
+    None when another planner made it (``Scheduler(planner=...)``: vDNN, Capuchin).
+    ``meta``: free-form facts about where it came from (model, batch, GPU, commit)."""
 
     timeline: AccessTimeline
     budget_bytes: int | None
@@ -44,14 +46,20 @@ class PlanningSnapshot:
     min_bytes: int
     plan: Plan
     meta: dict
+    options: dict | None = None
 
     def replan(self, **options) -> Plan:
-        """Plan again from these inputs; ``options`` go to :func:`tensile.planner.plan`
-        (``allow_swaps``, ``max_overhead``, ``allow_cross_iteration``, or a ``budget_bytes``
-        other than the saved one)."""
+        """Plan again with TENSILE's planner from these inputs and the saved options;
+        ``options`` replace them (``allow_swaps``, ``max_overhead``, ``rebuild_ahead``, or a
+        ``budget_bytes`` other than the saved one). Without saved options (another planner
+        made the plan) the planner's defaults apply, which is said by a ValueError unless
+        ``options`` are given."""
+        if self.options is None and not options:
+            raise ValueError("this plan was made by another planner than TENSILE's (options "
+                             "unknown): give replan() the options to plan with")
         kwargs = dict(budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw, h2d_bw=self.h2d_bw,
                       copy_latency_ms=self.copy_latency_ms, min_bytes=self.min_bytes)
-        return make_plan(self.timeline, **{**kwargs, **options})
+        return make_plan(self.timeline, **{**kwargs, **(self.options or {}), **options})
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "timeline": timeline_to_wire(self.timeline),
@@ -59,11 +67,12 @@ class PlanningSnapshot:
                 "budget_bytes": self.budget_bytes, "d2h_bw": float(self.d2h_bw),
                 "h2d_bw": float(self.h2d_bw), "copy_latency_ms": float(self.copy_latency_ms),
                 "min_bytes": int(self.min_bytes), "plan": json.loads(self.plan.to_json()),
-                "meta": self.meta}
+                "meta": self.meta, "options": self.options}
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanningSnapshot":
-        if not isinstance(data, dict) or data.get("format") != FORMAT or set(data) != _KEYS:
+        if not isinstance(data, dict) or data.get("format") != FORMAT \
+                or not _KEYS - {"options"} <= set(data) <= _KEYS:   # files of 2026-12-01: none
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"not a TENSILE planning snapshot ({FORMAT}): expected keys "
                              f"{sorted(_KEYS)}, got {got}")
@@ -74,7 +83,7 @@ class PlanningSnapshot:
         return cls(timeline=tl, budget_bytes=data["budget_bytes"], d2h_bw=data["d2h_bw"],
                    h2d_bw=data["h2d_bw"], copy_latency_ms=data["copy_latency_ms"],
                    min_bytes=data["min_bytes"], plan=Plan.from_json(json.dumps(data["plan"])),
-                   meta=data["meta"])
+                   meta=data["meta"], options=data.get("options"))
 
     def save(self, path: str | Path) -> Path:
         """Write gzipped JSON to ``path``; returns it."""

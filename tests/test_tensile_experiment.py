@@ -165,21 +165,24 @@ def test_trace_writes_a_profiler_trace_per_method(small, tmp_path):
 def test_snapshot_saves_each_planned_method_so_it_replans_offline(small, tmp_path):
     from tensile import PlanningSnapshot, simulate
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile,capuchin]",
-                        "experiment.budget=0.9", "experiment.snapshot=true"))
+                        "experiment.budget=0.9", "experiment.snapshot=true", "experiment.allow_swaps=false"))
     rows = _rows(tmp_path)
     assert "snapshot_file" not in rows["vanilla"]["extra"]      # nothing planned
-    for backend in ("tensile", "capuchin"):
+    for backend, file_part in (("tensile(allow_swaps=false)", "tensile_allow_swaps_false"),
+                               ("capuchin", "capuchin")):
         path = tmp_path / "cpu" / rows[backend]["extra"]["snapshot_file"]
-        assert re.fullmatch(rf"snapshot_tensile_small_b4_{backend}_\d{{8}}T\d{{6}}\.json\.gz", path.name)
+        assert re.fullmatch(rf"snapshot_tensile_small_b4_{file_part}_\d{{8}}T\d{{6}}\.json\.gz", path.name)
         snap = PlanningSnapshot.load(path)
         assert snap.meta["backend"] == backend and snap.meta["batch_size"] == 4
         assert snap.budget_bytes == snap.plan.budget_bytes > 0
         # the saved timeline is the one the plan was made on: it simulates to the plan's peak
         assert simulate(snap.timeline, snap.plan).peak == snap.plan.peak_after
         assert simulate(snap.timeline).peak == snap.plan.peak_before
-    # the saved inputs give TENSILE's own plan back
-    snap = PlanningSnapshot.load(tmp_path / "cpu" / rows["tensile"]["extra"]["snapshot_file"])
-    assert snap.replan().same_actions(snap.plan)
+    # the saved inputs and options give TENSILE's own plan back; Capuchin's plan has none
+    snap = PlanningSnapshot.load(tmp_path / "cpu" / rows["tensile(allow_swaps=false)"]["extra"]["snapshot_file"])
+    assert snap.options["allow_swaps"] is False and snap.replan().same_actions(snap.plan)
+    capuchin = PlanningSnapshot.load(tmp_path / "cpu" / rows["capuchin"]["extra"]["snapshot_file"])
+    assert capuchin.options is None
 
 
 def test_capuchin_alone_gets_its_budget_from_an_unwritten_tensile_run(small, tmp_path):

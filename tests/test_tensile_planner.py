@@ -1,6 +1,8 @@
 """TENSILE planner: property tests on random training-like timelines, plus small cases."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -245,6 +247,47 @@ def test_recompute_plans_when_swaps_cannot_hide(tl, bw, frac):
 
 
 @settings(max_examples=60, deadline=None)
+@given(tl=timelines(), bw=st.floats(1e3, 1e6), frac=st.floats(0.3, 1.0))
+def test_no_recompute_of_a_plan_could_be_left_out(tl, bw, frac):
+    """After the reverse-delete pass (keep_what_fits) every recompute that no other one reads
+    is needed: without it the memory would pass the budget (where the budget is not met:
+    the plan's peak)."""
+    budget = max(1, int(frac * tl.vanilla_curve().max()))
+    p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False)
+    cap = budget if p.feasible else p.peak_after
+    read = {s for r in p.recomputes for s in [*r.sources, *r.transient]}
+    for r in p.recomputes:
+        if r.sid not in read:
+            fewer = dataclasses.replace(p, recomputes=[q for q in p.recomputes if q is not r])
+            assert simulate(tl, fewer).peak > cap
+
+
+def _chain(n: int = 8) -> AccessTimeline:
+    """n layers, each writing a 4 MB activation that its backward reads again."""
+    fwd = [(f"layer{k}", "forward", 1.0, [100 + k - 1] if k else [1], [100 + k]) for k in range(n)]
+    bwd = [(f"layer{k}_bwd", "backward", 1.0, [100 + k, 200 + k + 1] if k < n - 1 else [100 + k],
+            [200 + k]) for k in reversed(range(n))]
+    sizes = {1: MB, **{100 + k: 4 * MB for k in range(n)}, **{200 + k: MB for k in range(n)}}
+    return AccessTimeline.from_ops(fwd + bwd, sizes, {1: "input"})
+
+
+def test_keep_what_fits_gives_back_what_a_higher_budget_does_not_need():
+    from tensile.planner import keep_what_fits
+    tl = _chain()
+    peak = simulate(tl).peak
+    tight = plan(tl, budget_bytes=int(peak * 0.55), d2h_bw=1e3, h2d_bw=1e3, allow_cross_iteration=False)
+    assert tight.feasible and len(tight.recomputes) >= 2
+    roomy = dataclasses.replace(tight, budget_bytes=int(peak * 0.9))
+    fewer = keep_what_fits(tl, roomy)
+    assert len(fewer.recomputes) < len(tight.recomputes)
+    assert {r.sid for r in fewer.recomputes} < {r.sid for r in tight.recomputes}
+    assert simulate(tl, fewer).peak == fewer.peak_after <= roomy.budget_bytes
+    assert fewer.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in fewer.recomputes))
+    assert fewer.est_overhead_ms < tight.est_overhead_ms
+    assert keep_what_fits(tl, tight) is tight       # nothing to give back at its own budget
+
+
+@settings(max_examples=60, deadline=None)
 @given(tl=timelines(), bw=bandwidths, overhead=st.floats(0.01, 0.5))
 def test_the_plan_is_the_best_of_swaps_first_or_not_and_transient_rebuilds_or_not(tl, bw, overhead):
     args = (tl, None, bw, bw, True, True, 0.01, 1, overhead)
@@ -473,14 +516,24 @@ def test_planning_snapshot_round_trips_and_rejects_other_files(tmp_path):
     import gzip
     from tensile import PlanningSnapshot
     tl = _simple()
-    p = plan(tl, budget_bytes=int(simulate(tl).peak * 0.8), d2h_bw=1e10, h2d_bw=1e10)
+    p = plan(tl, budget_bytes=int(simulate(tl).peak * 0.8), d2h_bw=1e10, h2d_bw=1e10, allow_swaps=False)
+    assert not plan(tl, budget_bytes=p.budget_bytes, d2h_bw=1e10, h2d_bw=1e10).same_actions(p)
     snap = PlanningSnapshot(timeline=tl, budget_bytes=p.budget_bytes, d2h_bw=1e10, h2d_bw=1e10,
-                            copy_latency_ms=COPY_LATENCY_MS, min_bytes=1, plan=p, meta={"model": "toy"})
+                            copy_latency_ms=COPY_LATENCY_MS, min_bytes=1, plan=p, meta={"model": "toy"},
+                            options={"allow_swaps": False})
     back = PlanningSnapshot.load(snap.save(tmp_path / "a" / "snap.json.gz"))
-    assert back.plan == p and back.meta == {"model": "toy"}
+    assert back.plan == p and back.meta == {"model": "toy"} and back.options == {"allow_swaps": False}
     assert list(back.timeline.op_ms) == list(tl.op_ms) and back.timeline.tensors == tl.tensors
-    assert back.replan().same_actions(p)
-    assert not back.replan(budget_bytes=None).same_actions(p)
+    assert back.replan().same_actions(p)                   # with the options it was made with
+    assert not back.replan(allow_swaps=True).same_actions(p)
+    # a plan of another planner (options unknown): replan() says so unless told how
+    other = dataclasses.replace(back, options=None)
+    with pytest.raises(ValueError, match="another planner than TENSILE's"):
+        other.replan()
+    assert other.replan(allow_swaps=False).same_actions(p)
+    old = snap.to_dict()
+    del old["options"]                                     # files written before options were kept
+    assert PlanningSnapshot.from_dict(old).options is None
     with gzip.open(tmp_path / "plan.json.gz", "wt") as f:
         f.write(p.to_json())
     with pytest.raises(ValueError, match="not a TENSILE planning snapshot"):
