@@ -38,7 +38,7 @@ import pandas as pd
 
 from experiments.analysis import environment, model_names, per_model, say_written
 from experiments.report import (EQUAL_PEAK_TARGET, earlier_in_job, equal_peak_allowance, load_rows,
-                                ok_tensile_rows)
+                                ok_tensile_rows, snapshot_file)
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
 from tensile.planner import plan
@@ -79,8 +79,7 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
                 "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),
                 "h2d_gbps": extra.get("h2d_gbps_measured") or extra.get("h2d_gbps"),
                 "allow_swaps": "allow_swaps=false" not in r["backend"],
-                # its planning snapshot beside the rows, by file name (older rows: a path)
-                "snapshot": Path(extra.get("snapshot_file") or extra.get("snapshot_path") or "").name,
+                "snapshot": snapshot_file(extra),   # beside the rows, or None
                 "commit": str(r["commit"])[:7], "date": str(r["date"])}
     return None
 

@@ -111,18 +111,20 @@ def keep_what_fits(tl: AccessTimeline, p: Plan) -> Plan:
     one, or when the budget is not met: within the plan's own peak). Repeated until none
     can go. A reverse-delete pass, as for greedy set covers; it only removes work."""
     cap = p.budget_bytes if p.budget_bytes is not None and p.feasible else p.peak_after
+
+    def read(recomputes: list[Recompute]) -> set[int]:   # what other rebuilds need back
+        return {s for r in recomputes for s in [*r.sources, *r.transient]}
     kept = list(p.recomputes)
     removed = True
     while removed:
         removed = False
-        read = {s for r in kept for s in [*r.sources, *r.transient]}
+        needed = read(kept)
         for r in sorted(kept, key=lambda r: (-r.cost_ms, r.sid)):
-            if r.sid in read:
+            if r.sid in needed:
                 continue
             trial = [q for q in kept if q is not r]
             if simulate(tl, replace(p, recomputes=trial)).peak <= cap:
-                kept, removed = trial, True
-                read = {s for q in kept for s in [*q.sources, *q.transient]}
+                kept, removed, needed = trial, True, read(trial)
     if len(kept) == len(p.recomputes):
         return p
     return replace(p, recomputes=kept, peak_after=simulate(tl, replace(p, recomputes=kept)).peak,

@@ -7,7 +7,7 @@ laptop, :meth:`PlanningSnapshot.load` and :meth:`PlanningSnapshot.replan` then t
 planner setting (or a changed planner) on exactly the inputs the GPU run had, and
 :func:`tensile.bound.extra_time_bound` prices what any plan could cost there, with no GPU::
 
-    snap = PlanningSnapshot.load("timeline_tensile_resnet50_b16.json.gz")
+    snap = PlanningSnapshot.load("snapshot_tensile_resnet50_b16_tensile_graph_….json.gz")
     print(snap.plan.summary())
     print(snap.replan(allow_swaps=False).summary())
 """
