@@ -40,6 +40,7 @@ from experiments.limit import cached_step_limit
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
 from experiments.watchdog import stop_if_stuck
+from nimble.allocator import select_allocator_backend
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,22 @@ def claim_gpu(n_gpus: int, lock_dir: Path) -> int:
         return k
     raise RuntimeError(f"all {n_gpus} GPUs are claimed by other workers: use hydra.launcher.n_jobs "
                        f"<= device.gpus ({n_gpus})")
+
+
+def choose_allocator(cfg: DictConfig) -> str | None:
+    """Select ``device.allocator`` (CUDA only) before CUDA starts; returns it, or None on CPU.
+
+    The allocator is chosen once per process, so one command measures one allocator: a
+    multirun of several in one process stops at the second with a ConfigError.
+    """
+    if cfg.device.name != "cuda":
+        return None
+    allocator = str(cfg.device.get("allocator") or "native")
+    try:
+        select_allocator_backend(allocator)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"device.allocator: {e}") from None
+    return allocator
 
 
 def apply_device_settings(cfg: DictConfig) -> str:
@@ -386,9 +403,13 @@ def run_config(cfg: DictConfig, on_row: Callable[[dict], None] = lambda row: Non
     if cfg.device.name == "cuda" and cfg.device.get("gpus"):
         # Before anything asks CUDA a question: CUDA_VISIBLE_DEVICES is read once, at driver init.
         claim_gpu(int(cfg.device.gpus), Path(hydra.utils.to_absolute_path(cfg.results_dir)) / ".gpu-locks")
+    allocator = choose_allocator(cfg)
     validate(cfg)
     device = apply_device_settings(cfg)
     env = environment(device)
+    if allocator and env.get("allocator") != allocator:
+        raise ConfigError(f"device.allocator={allocator}, but CUDA runs the "
+                          f"{env.get('allocator')!r} allocator in this process")
     exp = cfg.experiment
     out_dir = Path(hydra.utils.to_absolute_path(cfg.results_dir)) / gpu_slug(str(env["gpu"]))
     if exp.name == "tensile":

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["COLUMNS", "KEY_COLUMNS", "ResultStore", "append_table_row", "file_slug", "make_row", "row_key",
-           "read_rows", "date_stamp"]
+           "row_allocator", "read_rows", "date_stamp"]
 
 COLUMNS: list[str] = [
     # what was measured
@@ -78,8 +78,24 @@ def _text(value: Any) -> str:
 
 
 def row_key(row: dict[str, Any]) -> tuple[str, ...]:
-    """The identity of a measurement (see ``KEY_COLUMNS``), as strings so CSV and dict rows agree."""
-    return tuple(str(row.get(c, "")) for c in KEY_COLUMNS)
+    """The identity of a measurement (see ``KEY_COLUMNS``), as strings so CSV and dict rows agree,
+    plus the CUDA allocator backend it ran under (:func:`row_allocator`)."""
+    return tuple(str(row.get(c, "")) for c in KEY_COLUMNS) + (row_allocator(row),)
+
+
+def row_allocator(row: dict[str, Any]) -> str:
+    """The CUDA allocator backend a row ran under: its ``allocator`` (a dict row) or
+    ``extra.allocator`` (a stored row); ``"native"`` for a CUDA row that predates that record
+    (PyTorch's default then), ``""`` for a CPU row."""
+    allocator = row.get("allocator")
+    if not allocator:
+        extra = row.get("extra") or {}
+        if isinstance(extra, str):
+            extra = json.loads(extra) if extra else {}
+        allocator = extra.get("allocator")
+    if not allocator and str(row.get("device", "")).startswith("cuda"):
+        allocator = "native"
+    return str(allocator or "")
 
 
 def date_stamp(date: str) -> str:

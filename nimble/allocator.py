@@ -25,8 +25,10 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["allocator_backend", "allocator_conf", "expandable_segments", "graph_memory_used",
-           "GraphMemoryMeter", "measure_eager_peak"]
+__all__ = ["ALLOCATOR_BACKENDS", "allocator_backend", "allocator_conf", "expandable_segments",
+           "graph_memory_used", "select_allocator_backend", "GraphMemoryMeter", "measure_eager_peak"]
+
+ALLOCATOR_BACKENDS = ("native", "cudaMallocAsync")
 
 _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
 
@@ -40,6 +42,35 @@ def allocator_conf() -> str:
     """The allocator settings the process was started with: ``PYTORCH_ALLOC_CONF``, or
     ``PYTORCH_CUDA_ALLOC_CONF`` (its older name, which newer PyTorch still reads); ``""``."""
     return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
+def select_allocator_backend(backend: str) -> None:
+    """Make this process use allocator ``backend`` (``"native"`` or ``"cudaMallocAsync"``).
+
+    PyTorch reads the choice once, when CUDA starts, from ``PYTORCH_ALLOC_CONF`` (or its older
+    name ``PYTORCH_CUDA_ALLOC_CONF``), so this must run before the first CUDA call: it adds
+    ``backend:<backend>`` to both variables, keeping their other settings. Raises
+    ``ValueError`` for an unknown backend, or one that contradicts a ``backend:`` the
+    environment already names, and ``RuntimeError`` once CUDA has started with another one.
+    """
+    if backend not in ALLOCATOR_BACKENDS:
+        raise ValueError(f"allocator backend: expected one of {', '.join(ALLOCATOR_BACKENDS)}, "
+                         f"got {backend!r}")
+    if torch.cuda.is_initialized():
+        if allocator_backend() != backend:
+            raise RuntimeError(f"CUDA already started with the {allocator_backend()!r} allocator "
+                               f"in this process; {backend!r} must be chosen before the first "
+                               "CUDA call (one process per allocator)")
+        return
+    settings = [kv.strip() for kv in allocator_conf().split(",") if kv.strip()]
+    named = [kv.split(":", 1)[1].strip() for kv in settings if kv.startswith("backend:")]
+    if named and named[-1] != backend:
+        raise ValueError(f"the environment asks for the {named[-1]!r} allocator "
+                         f"(PYTORCH_ALLOC_CONF={allocator_conf()!r}); asked for {backend!r}")
+    if named or backend == "native":                 # already so, or PyTorch's default
+        return
+    conf = ",".join(settings + [f"backend:{backend}"])
+    os.environ["PYTORCH_ALLOC_CONF"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
 
 
 def expandable_segments(conf: str | None = None) -> bool:

@@ -291,7 +291,7 @@ class TrainingCapture:
         start = time.perf_counter()
         with measure_eager_peak(nb.stats):
             graph = trace_training_forward(nb.module, inputs)
-            nb._adopt_graph(graph)
+            nb._adopt_graph(graph, training=True)
             nb._static_inputs = tuple(x.detach().clone() for x in inputs)
             # Pre-run: forward on the real streams, then a backward with zero gradients, to
             # create handles, pick cuDNN's backward algorithms and warm the allocator.
@@ -412,7 +412,7 @@ class WholeStep:
         nb = self.nimble
         start = time.perf_counter()
         with measure_eager_peak(nb.stats):
-            nb._adopt_graph(trace_training_forward(nb.module, inputs))
+            nb._adopt_graph(trace_training_forward(nb.module, inputs), training=True)
             nb._static_inputs = tuple(x.detach().clone() for x in inputs)
             self.static_inputs = nb._static_inputs    # this graph's own (a second capture makes others)
             for _ in range(warmup):                   # creates optimizer state, warms kernels

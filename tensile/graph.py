@@ -77,7 +77,7 @@ class GraphStep:
             if not isinstance(t, torch.Tensor) or t.device != device:
                 got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"batch element {i}: expected a tensor on {device}, got {got}")
-        check_allocator(streams)
+        check_allocator(streams, training=True)
         self.model, self.optimizer = model, optimizer
         self.static_batch = tuple(t.detach().clone() for t in batch)
         saved = save_step_state(model, optimizer)

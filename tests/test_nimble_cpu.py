@@ -1,4 +1,7 @@
 """The parts of nimble.capture and nimble.passes that run without a GPU."""
+import os
+import weakref
+
 import pytest
 import timm
 import torch
@@ -6,7 +9,7 @@ import torchvision
 from torch import nn
 
 from compare import rel_err
-from nimble import Nimble, NimbleError
+from nimble import Nimble, NimbleError, TaskGraph
 from nimble.capture import cap_streams, fold_tiny_isolated_ops
 from nimble.passes import fold_conv_bn, to_channels_last
 from nimble.racecheck import find_races
@@ -210,16 +213,54 @@ def test_select_convs_keeps_the_faster_whole_graph(monkeypatch):
         assert fast.stats.notes[-1].endswith("kept the selection" if kept == "selected" else "kept cuDNN")
 
 
-def test_multi_stream_capture_is_refused_under_cuda_malloc_async(monkeypatch):
-    """Measured on the H200: multi-stream capture under cudaMallocAsync aborts the process."""
+def test_only_multi_stream_training_is_refused_under_cuda_malloc_async(monkeypatch):
+    """Inference captures run under cudaMallocAsync (measured); training ones were not run."""
     import nimble.capture as capture
     from nimble.capture import check_allocator
     monkeypatch.setattr(capture, "allocator_backend", lambda: "cudaMallocAsync")
-    with pytest.raises(NimbleError, match="use_multi_stream=False"):
-        check_allocator(3)
-    check_allocator(1)                                # single-stream graphs work there
+    with pytest.raises(NimbleError, match="3-stream training capture"):
+        check_allocator(3, training=True)
+    check_allocator(3, training=False)
+    check_allocator(1, training=True)                 # one stream: no cross-stream frees
     monkeypatch.setattr(capture, "allocator_backend", lambda: "native")
-    check_allocator(3)
+    check_allocator(3, training=True)
+
+
+class _LoggedStream:
+    """Stands in for a CUDA stream: logs the waits ScheduledMode makes."""
+
+    def __init__(self, index: int, log: list) -> None:
+        self.index, self.log = index, log
+
+    def wait_stream(self, other: "_LoggedStream") -> None:
+        self.log.append(("wait", self.index, other.index))
+
+
+class _Held:
+    """Stands in for a tensor ScheduledMode holds: logs when it is freed."""
+
+    def __init__(self, name: str, log: list) -> None:
+        weakref.finalize(self, log.append, ("free", name))
+
+
+def test_join_frees_what_it_holds_on_its_own_stream_before_joining():
+    """A held tensor is freed after its stream waited for the stream that read it and before
+    the origin joins that stream (under cudaMallocAsync a free is a node on its stream)."""
+    from nimble.capture import ScheduledMode
+    from nimble.streams import StreamPlan
+
+    log: list = []
+    plan = StreamPlan(stream_of=[0, 1, 2], syncs=[], num_streams=3, chains=[], meg_edges=[])
+    mode = ScheduledMode(TaskGraph(nodes=[], edges=[]), plan,
+                         [_LoggedStream(i, log) for i in range(3)])
+    mode.pending[1].append((_Held("made on 1, read on 2", log), 2, 2))
+    mode.pending[2].append((_Held("made on 2, read on 0", log), 0, 0))
+    mode.clock[2][0] = 0                       # stream 2 already follows that read
+    mode.join()
+    assert log == [("wait", 1, 2), ("free", "made on 1, read on 2"),
+                   ("free", "made on 2, read on 0"),
+                   ("wait", 0, 1), ("wait", 0, 2)]
+    assert all(not refs for refs in mode.pending)
 
 
 def test_memory_limit_halves_streams_until_the_graph_fits(monkeypatch):
@@ -370,3 +411,22 @@ def test_expandable_segments_are_read_from_either_allocator_variable(monkeypatch
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")   # the newer name wins
     assert allocator_conf() == "expandable_segments:False" and not expandable_segments()
     assert expandable_segments("expandable_segments: true")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA must not have started: tested on a CPU host")
+def test_select_allocator_backend_sets_both_variables_and_refuses_contradictions(monkeypatch):
+    from nimble.allocator import select_allocator_backend
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    select_allocator_backend("native")                      # PyTorch's default: nothing to set
+    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    select_allocator_backend("cudaMallocAsync")
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64,backend:cudaMallocAsync"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == os.environ["PYTORCH_ALLOC_CONF"]
+    select_allocator_backend("cudaMallocAsync")             # asked twice: unchanged
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64,backend:cudaMallocAsync"
+    with pytest.raises(ValueError, match="environment asks for the 'cudaMallocAsync' allocator"):
+        select_allocator_backend("native")
+    with pytest.raises(ValueError, match="expected one of native, cudaMallocAsync, got 'async'"):
+        select_allocator_backend("async")

@@ -1,4 +1,6 @@
 """Nimble inference capture on CUDA: equality with eager, errors, memory. GPU only."""
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -60,6 +62,46 @@ def test_fewer_streams_use_less_memory():
     pools = [Nimble(model).prepare(x, max_streams=k).stats.graph_pool_bytes for k in (8, 2)]
     single = Nimble(model).prepare(x, use_multi_stream=False).stats.graph_pool_bytes
     assert pools[0] > pools[1] > single
+
+
+# Run in a child process: the allocator backend is chosen once per process, at CUDA start.
+_UNDER_CUDA_MALLOC_ASYNC = """
+import json, sys
+from nimble.allocator import allocator_backend, select_allocator_backend
+select_allocator_backend("cudaMallocAsync")
+import torch
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+from compare import assert_matches_eager
+from experiments.models import build_model, example_input
+from nimble import Nimble
+name, batch = sys.argv[1], int(sys.argv[2])
+model = build_model(name).cuda().eval()
+fast = Nimble(model).prepare(example_input(name, batch, "cuda"), use_multi_stream=True)
+assert_matches_eager(fast, model, name, batch, float(sys.argv[3]), seeds=3)
+print(json.dumps({"allocator": allocator_backend(), "streams": fast.stats.num_streams,
+                  "pool": fast.stats.graph_pool_bytes}))
+"""
+
+
+def test_multi_stream_graph_under_cuda_malloc_async_matches_eager_in_less_memory():
+    """The capture that used to abort the process: graph memory nodes are reused across
+    streams by the driver, so the graph holds less than under the caching allocator."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    name, batch = "nasnet_a_mobile", 32
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", _UNDER_CUDA_MALLOC_ASYNC, name, str(batch), str(TOL)],
+                           cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                               [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])},
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    model = build_model(name).cuda().eval()
+    native = Nimble(model).prepare(example_input(name, batch, "cuda"), use_multi_stream=True)
+    assert got["allocator"] == "cudaMallocAsync" and got["streams"] == native.stats.num_streams > 1
+    assert got["pool"] < native.stats.graph_pool_bytes
 
 
 def test_single_stream_same_code_path():

@@ -7,7 +7,7 @@ import multiprocessing as mp
 
 import pytest
 
-from experiments.store import COLUMNS, KEY_COLUMNS, ResultStore, make_row, read_rows, row_key
+from experiments.store import COLUMNS, KEY_COLUMNS, ResultStore, make_row, read_rows, row_allocator, row_key
 
 
 def _row(**kw):
@@ -80,7 +80,21 @@ def test_key_is_typed_consistently_between_dict_and_csv(tmp_path):
     store.append(_row(batch_size=32))
     (stored,) = store.rows()
     assert row_key(stored) == row_key(_row(batch_size=32))
-    assert len(KEY_COLUMNS) == len(row_key(stored))
+    assert len(KEY_COLUMNS) + 1 == len(row_key(stored))          # + the allocator
+
+
+def test_the_allocator_is_part_of_a_measurement_s_identity(tmp_path):
+    """A cudaMallocAsync run measures what a native one measured again, and is kept apart;
+    a CUDA row from before the allocator was recorded ran PyTorch's default, native."""
+    store = ResultStore(tmp_path / "x.csv")
+    store.append(_row())                                          # no allocator recorded
+    store.append(_row(backend="nimble", allocator="cudaMallocAsync"))
+    done = store.done_keys()
+    assert row_key(_row(allocator="native")) in done
+    assert row_key(_row(allocator="cudaMallocAsync")) not in done
+    assert row_key(_row(backend="nimble", allocator="cudaMallocAsync")) in done
+    assert row_key(_row(backend="nimble", allocator="native")) not in done
+    assert row_allocator(_row(device="cpu", gpu="cpu")) == ""
 
 
 def test_foreign_header_is_refused(tmp_path):
