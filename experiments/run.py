@@ -40,7 +40,7 @@ from experiments.limit import cached_step_limit
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
 from experiments.watchdog import stop_if_stuck
-from nimble.allocator import select_allocator_backend
+from nimble.allocator import allocator_environment
 
 log = logging.getLogger(__name__)
 
@@ -174,20 +174,45 @@ def claim_gpu(n_gpus: int, lock_dir: Path) -> int:
                        f"<= device.gpus ({n_gpus})")
 
 
-def choose_allocator(cfg: DictConfig) -> str | None:
-    """Select ``device.allocator`` (CUDA only) before CUDA starts; returns it, or None on CPU.
+# Set in the environment of a command restarted under another allocator (choose_allocator).
+RESTARTED_FOR_ALLOCATOR = "SUITE_RESTARTED_FOR_ALLOCATOR"
+# The process that ran ``main`` first: a launcher's worker processes must not restart themselves.
+MAIN_PID = "SUITE_MAIN_PID"
 
-    The allocator is chosen once per process, so one command measures one allocator: a
-    multirun of several in one process stops at the second with a ConfigError.
+
+def choose_allocator(cfg: DictConfig) -> str | None:
+    """Make sure this process runs the CUDA allocator ``device.allocator``; returns it (None on CPU).
+
+    PyTorch picks its allocator when ``torch`` is imported, so a process cannot switch. If the
+    command was started under another one, it is started again, the same command line under
+    the asked allocator (rows already stored are skipped, so a sweep goes on where it was).
+    That is refused with a ConfigError where a restart could not work: CUDA already started
+    here, a launcher's worker process, or a restart that still runs the other allocator.
     """
     if cfg.device.name != "cuda":
         return None
     allocator = str(cfg.device.get("allocator") or "native")
     try:
-        select_allocator_backend(allocator)
-    except (ValueError, RuntimeError) as e:
+        env = allocator_environment(allocator)
+    except ValueError as e:
         raise ConfigError(f"device.allocator: {e}") from None
-    return allocator
+    running = torch.cuda.get_allocator_backend()
+    if running == allocator:
+        return allocator
+    why = ("it was restarted for that already" if os.environ.get(RESTARTED_FOR_ALLOCATOR)
+           else "CUDA has started here" if torch.cuda.is_initialized()
+           else "this is a launcher's worker process" if os.environ.get(MAIN_PID) != str(os.getpid())
+           else None)
+    if why:
+        raise ConfigError(f"device.allocator={allocator}, but this process runs PyTorch's {running!r} "
+                          f"allocator and cannot be restarted ({why}): start the command with "
+                          f"PYTORCH_ALLOC_CONF=backend:{allocator}")
+    log.warning("device.allocator=%s: starting this command again under that allocator "
+                "(PyTorch picks it when torch is imported)", allocator)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+              {**env, RESTARTED_FOR_ALLOCATOR: allocator})
 
 
 def apply_device_settings(cfg: DictConfig) -> str:
@@ -403,13 +428,10 @@ def run_config(cfg: DictConfig, on_row: Callable[[dict], None] = lambda row: Non
     if cfg.device.name == "cuda" and cfg.device.get("gpus"):
         # Before anything asks CUDA a question: CUDA_VISIBLE_DEVICES is read once, at driver init.
         claim_gpu(int(cfg.device.gpus), Path(hydra.utils.to_absolute_path(cfg.results_dir)) / ".gpu-locks")
-    allocator = choose_allocator(cfg)
+    choose_allocator(cfg)
     validate(cfg)
     device = apply_device_settings(cfg)
     env = environment(device)
-    if allocator and env.get("allocator") != allocator:
-        raise ConfigError(f"device.allocator={allocator}, but CUDA runs the "
-                          f"{env.get('allocator')!r} allocator in this process")
     exp = cfg.experiment
     out_dir = Path(hydra.utils.to_absolute_path(cfg.results_dir)) / gpu_slug(str(env["gpu"]))
     if exp.name == "tensile":
@@ -529,5 +551,6 @@ if __name__ == "__main__":
     # Call the copy imported as experiments.run, not this __main__ module: launchers that run jobs
     # in other processes (joblib, submitit) pickle the task function, and functions of __main__
     # are pickled by value, dragging unpicklable module globals along.
-    from experiments.run import main as _main
+    from experiments.run import MAIN_PID, main as _main
+    os.environ[MAIN_PID] = str(os.getpid())   # kept across an allocator restart (same pid)
     _main()

@@ -21,12 +21,12 @@ import contextlib
 import ctypes
 import functools
 import os
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
 __all__ = ["ALLOCATOR_BACKENDS", "allocator_backend", "allocator_conf", "expandable_segments",
-           "graph_memory_used", "select_allocator_backend", "GraphMemoryMeter", "measure_eager_peak"]
+           "graph_memory_used", "allocator_environment", "GraphMemoryMeter", "measure_eager_peak"]
 
 ALLOCATOR_BACKENDS = ("native", "cudaMallocAsync")
 
@@ -44,33 +44,30 @@ def allocator_conf() -> str:
     return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
 
 
-def select_allocator_backend(backend: str) -> None:
-    """Make this process use allocator ``backend`` (``"native"`` or ``"cudaMallocAsync"``).
+def allocator_environment(backend: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: this process's) under which a new process runs the CUDA
+    allocator ``backend`` (``"native"`` or ``"cudaMallocAsync"``).
 
-    PyTorch reads the choice once, when CUDA starts, from ``PYTORCH_ALLOC_CONF`` (or its older
-    name ``PYTORCH_CUDA_ALLOC_CONF``), so this must run before the first CUDA call: it adds
-    ``backend:<backend>`` to both variables, keeping their other settings. Raises
-    ``ValueError`` for an unknown backend, or one that contradicts a ``backend:`` the
-    environment already names, and ``RuntimeError`` once CUDA has started with another one.
+    PyTorch picks its allocator backend when ``torch`` is imported, from ``PYTORCH_ALLOC_CONF``
+    (or its older name ``PYTORCH_CUDA_ALLOC_CONF``): a running process cannot switch, so this
+    is for starting one (``subprocess``, ``os.execve``). ``backend:<backend>`` is added to both
+    variables, their other settings kept. ``ValueError`` for an unknown backend, or for one
+    that contradicts a ``backend:`` the environment already names.
     """
+    env = dict(os.environ if environ is None else environ)
     if backend not in ALLOCATOR_BACKENDS:
         raise ValueError(f"allocator backend: expected one of {', '.join(ALLOCATOR_BACKENDS)}, "
                          f"got {backend!r}")
-    if torch.cuda.is_initialized():
-        if allocator_backend() != backend:
-            raise RuntimeError(f"CUDA already started with the {allocator_backend()!r} allocator "
-                               f"in this process; {backend!r} must be chosen before the first "
-                               "CUDA call (one process per allocator)")
-        return
-    settings = [kv.strip() for kv in allocator_conf().split(",") if kv.strip()]
+    conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    settings = [kv.strip() for kv in conf.split(",") if kv.strip()]
     named = [kv.split(":", 1)[1].strip() for kv in settings if kv.startswith("backend:")]
     if named and named[-1] != backend:
         raise ValueError(f"the environment asks for the {named[-1]!r} allocator "
-                         f"(PYTORCH_ALLOC_CONF={allocator_conf()!r}); asked for {backend!r}")
-    if named or backend == "native":                 # already so, or PyTorch's default
-        return
-    conf = ",".join(settings + [f"backend:{backend}"])
-    os.environ["PYTORCH_ALLOC_CONF"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+                         f"(PYTORCH_ALLOC_CONF={conf!r}); asked for {backend!r}")
+    if not named and backend != "native":             # native: PyTorch's default
+        conf = ",".join(settings + [f"backend:{backend}"])
+        env["PYTORCH_ALLOC_CONF"] = env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    return env
 
 
 def expandable_segments(conf: str | None = None) -> bool:

@@ -622,3 +622,35 @@ def test_watchdog_is_silent_when_the_body_finishes_in_time():
     with stop_if_stuck(None, called.append):  # disabled
         time.sleep(0.01)
     assert called == []
+
+
+def test_device_allocator_restarts_the_command_under_that_allocator(monkeypatch):
+    """PyTorch picks its allocator when torch is imported: the command starts itself again
+    under the asked one, or says how to start it where a restart cannot work."""
+    cfg = _compose(["device=cuda", "device.allocator=cudaMallocAsync"])
+    monkeypatch.setattr(run.torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(run.torch.cuda, "is_initialized", lambda: False)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", run.RESTARTED_FOR_ALLOCATOR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(run.MAIN_PID, str(os.getpid()))
+    started = []
+    monkeypatch.setattr(run.os, "execve", lambda exe, argv, env: started.append((exe, argv, env)))
+    run.choose_allocator(cfg)
+    ((exe, argv, env),) = started
+    assert exe == sys.executable and argv[1:] == sys.orig_argv[1:]
+    assert env["PYTORCH_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert env[run.RESTARTED_FOR_ALLOCATOR] == "cudaMallocAsync"
+
+    monkeypatch.setenv(run.RESTARTED_FOR_ALLOCATOR, "cudaMallocAsync")     # restarted, still native
+    with pytest.raises(run.ConfigError, match="it was restarted for that already.*"
+                                              "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync"):
+        run.choose_allocator(cfg)
+    monkeypatch.delenv(run.RESTARTED_FOR_ALLOCATOR)
+    monkeypatch.setenv(run.MAIN_PID, "1")                                  # a launcher's worker
+    with pytest.raises(run.ConfigError, match="a launcher's worker process"):
+        run.choose_allocator(cfg)
+    with pytest.raises(run.ConfigError, match="expected one of native, cudaMallocAsync"):
+        run.choose_allocator(_compose(["device=cuda", "device.allocator=async"]))
+    assert run.choose_allocator(_compose(["device=cuda"])) == "native"     # running it: no restart
+    assert run.choose_allocator(_compose(["device=cpu"])) is None
+    assert len(started) == 1

@@ -413,20 +413,15 @@ def test_expandable_segments_are_read_from_either_allocator_variable(monkeypatch
     assert expandable_segments("expandable_segments: true")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA must not have started: tested on a CPU host")
-def test_select_allocator_backend_sets_both_variables_and_refuses_contradictions(monkeypatch):
-    from nimble.allocator import select_allocator_backend
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    select_allocator_backend("native")                      # PyTorch's default: nothing to set
-    assert "PYTORCH_ALLOC_CONF" not in os.environ
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
-    select_allocator_backend("cudaMallocAsync")
-    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64,backend:cudaMallocAsync"
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == os.environ["PYTORCH_ALLOC_CONF"]
-    select_allocator_backend("cudaMallocAsync")             # asked twice: unchanged
-    assert os.environ["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64,backend:cudaMallocAsync"
+def test_allocator_environment_sets_both_variables_and_refuses_contradictions():
+    from nimble.allocator import allocator_environment
+    assert allocator_environment("native", {"PATH": "/bin"}) == {"PATH": "/bin"}   # the default
+    env = allocator_environment("cudaMallocAsync", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"})
+    assert env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"] == \
+        "max_split_size_mb:64,backend:cudaMallocAsync"
+    assert allocator_environment("cudaMallocAsync", env) == env            # asked twice: unchanged
+    older = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}         # the older name alone
     with pytest.raises(ValueError, match="environment asks for the 'cudaMallocAsync' allocator"):
-        select_allocator_backend("native")
+        allocator_environment("native", older)
     with pytest.raises(ValueError, match="expected one of native, cudaMallocAsync, got 'async'"):
-        select_allocator_backend("async")
+        allocator_environment("async", {})

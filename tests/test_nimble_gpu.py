@@ -67,9 +67,8 @@ def test_fewer_streams_use_less_memory():
 # Run in a child process: the allocator backend is chosen once per process, at CUDA start.
 _UNDER_CUDA_MALLOC_ASYNC = """
 import json, sys
-from nimble.allocator import allocator_backend, select_allocator_backend
-select_allocator_backend("cudaMallocAsync")
 import torch
+from nimble.allocator import allocator_backend
 torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
 from compare import assert_matches_eager
 from experiments.models import build_model, example_input
@@ -90,12 +89,14 @@ def test_multi_stream_graph_under_cuda_malloc_async_matches_eager_in_less_memory
     import subprocess
     import sys
     from pathlib import Path
+
+    from nimble.allocator import allocator_environment
     name, batch = "nasnet_a_mobile", 32
     root = Path(__file__).resolve().parents[1]
+    env = allocator_environment("cudaMallocAsync", {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])})
     child = subprocess.run([sys.executable, "-c", _UNDER_CUDA_MALLOC_ASYNC, name, str(batch), str(TOL)],
-                           cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                               [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")])},
-                           capture_output=True, text=True, timeout=300)
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-3000:]
     got = json.loads(child.stdout.strip().splitlines()[-1])
     model = build_model(name).cuda().eval()
