@@ -26,11 +26,16 @@ from typing import Iterator, Mapping
 import torch
 
 __all__ = ["ALLOCATOR_BACKENDS", "allocator_backend", "allocator_conf", "expandable_segments",
-           "graph_memory_used", "allocator_environment", "GraphMemoryMeter", "measure_eager_peak"]
+           "graph_memory_used", "graph_alloc_ranges", "span_bytes", "allocator_environment",
+           "GraphMemoryMeter", "measure_eager_peak"]
 
 ALLOCATOR_BACKENDS = ("native", "cudaMallocAsync")
 
 _CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0     # CUgraphMem_attribute, cuda.h
+_CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10          # CUgraphNodeType, cuda.h
+# CUDA_MEM_ALLOC_NODE_PARAMS, cuda.h: CUmemPoolProps (88 bytes), accessDescs, accessDescCount,
+# then the two fields read here (the same offsets since CUDA 11.4: the props struct kept its size).
+_ALLOC_PARAMS_BYTES, _ALLOC_PARAMS_BYTESIZE, _ALLOC_PARAMS_DPTR = 120, 104, 112
 
 
 def allocator_backend() -> str:
@@ -115,6 +120,42 @@ def graph_memory_used(device: int | None = None) -> int:
     return int(value.value)
 
 
+def graph_alloc_ranges(cuda_graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of each memory-allocation node of a captured graph (captured with
+    ``keep_graph=True`` under the ``cudaMallocAsync`` backend; other graphs have none)."""
+    lib = _libcuda()
+    graph = ctypes.c_void_p(cuda_graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    if lib.cuGraphGetNodes(graph, None, ctypes.byref(count)) != 0:
+        raise RuntimeError("cuGraphGetNodes failed")
+    nodes = (ctypes.c_void_p * count.value)()
+    if lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)) != 0:
+        raise RuntimeError("cuGraphGetNodes failed")
+    ranges = []
+    kind, params = ctypes.c_int(), (ctypes.c_ubyte * _ALLOC_PARAMS_BYTES)()
+    for node in nodes:
+        if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
+            raise RuntimeError("cuGraphNodeGetType failed")
+        if kind.value != _CU_GRAPH_NODE_TYPE_MEM_ALLOC:
+            continue
+        if lib.cuGraphMemAllocNodeGetParams(ctypes.c_void_p(node), ctypes.byref(params)) != 0:
+            raise RuntimeError("cuGraphMemAllocNodeGetParams failed")
+        raw = bytes(params)
+        ranges.append((int.from_bytes(raw[_ALLOC_PARAMS_DPTR:_ALLOC_PARAMS_DPTR + 8], "little"),
+                       int.from_bytes(raw[_ALLOC_PARAMS_BYTESIZE:_ALLOC_PARAMS_BYTESIZE + 8], "little")))
+    return ranges
+
+
+def span_bytes(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by the union of ``(address, bytes)`` ranges (overlaps counted once)."""
+    total, end = 0, -1
+    for start, size in sorted(ranges):
+        if start + size > end:
+            total += start + size - max(start, end)
+            end = start + size
+    return total
+
+
 class GraphMemoryMeter:
     """Memory added by the captures made between construction and :meth:`read`.
 
@@ -136,11 +177,22 @@ class GraphMemoryMeter:
         """Whether :meth:`read` is only meaningful after the graph has been launched once."""
         return self.backend == "cudaMallocAsync"
 
-    def read(self) -> int:
-        """Bytes the graph(s) hold now, relative to construction."""
+    def read(self, graph: torch.cuda.CUDAGraph | None = None) -> int:
+        """Bytes the graph(s) hold now, relative to construction.
+
+        Under ``cudaMallocAsync``, pass the ``graph`` (captured with ``keep_graph=True``) to get
+        its own memory: the span of its allocation nodes' addresses (the driver gives
+        allocations whose lifetimes do not overlap in graph order the same addresses). The
+        driver's device-wide counter is no per-graph figure there: graphs that do not run at
+        once share physical pages, so a second graph of a process may add nothing to it
+        (measured on the H200; alone in its process a graph's counter was its span rounded up
+        to the driver's 32 MiB mapping, e.g. 320 MiB for a 301 MiB span).
+        """
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved() - self._reserved
         if self.needs_launch:
+            if graph is not None:
+                return span_bytes(graph_alloc_ranges(graph)) + max(grown, 0)
             grown += graph_memory_used() - self._graph
         return max(grown, 0)
 

@@ -390,15 +390,16 @@ class Nimble:
         self._run_scheduled(capture=None)
         torch.cuda.synchronize()
         # Per-kernel priorities need an executable graph of our own (nimble.priority).
-        cuda_graph = (torch.cuda.CUDAGraph(keep_graph=True) if self._prioritize_critical
-                      else torch.cuda.CUDAGraph())
         # What the capture adds is the graph's memory: its private pool (native
-        # allocator) or its graph memory nodes (cudaMallocAsync, mapped at first launch).
+        # allocator) or its graph memory nodes (cudaMallocAsync, mapped at first launch,
+        # read off the kept graph's allocation nodes).
         meter = GraphMemoryMeter()
+        cuda_graph = (torch.cuda.CUDAGraph(keep_graph=True)
+                      if self._prioritize_critical or meter.needs_launch else torch.cuda.CUDAGraph())
         out = self._run_scheduled(capture=cuda_graph)
         if meter.needs_launch:
             cuda_graph.replay()        # same static inputs: rewrites the static outputs only
-        self.stats.graph_pool_bytes = meter.read()
+        self.stats.graph_pool_bytes = meter.read(cuda_graph if meter.needs_launch else None)
         self.stats.allocator = meter.backend
         self.stats.capture_s = time.perf_counter() - t0
         flat, self._out_spec = tree_flatten(out)

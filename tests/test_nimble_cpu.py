@@ -425,3 +425,9 @@ def test_allocator_environment_sets_both_variables_and_refuses_contradictions():
         allocator_environment("native", older)
     with pytest.raises(ValueError, match="expected one of native, cudaMallocAsync, got 'async'"):
         allocator_environment("async", {})
+
+
+def test_span_bytes_counts_overlapping_ranges_once():
+    from nimble.allocator import span_bytes
+    assert span_bytes([]) == 0
+    assert span_bytes([(100, 50), (0, 10), (120, 10), (140, 20), (200, 1)]) == 10 + 60 + 1
