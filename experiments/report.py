@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from experiments.store import COLUMNS, KEY_COLUMNS
+from experiments.store import COLUMNS, KEY_COLUMNS, row_allocator
 
 __all__ = [
     "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
@@ -108,8 +108,14 @@ def _same_run_baselines(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def load_rows(gpu_dir: str | Path, every_run: bool = False, every_row: bool = False) -> pd.DataFrame:
+def load_rows(gpu_dir: str | Path, every_run: bool = False, every_row: bool = False,
+              allocator: str | None = "native") -> pd.DataFrame:
     """All rows of one GPU folder, typed, one per measurement key, with a ``smoke`` column.
+
+    ``allocator``: keep the rows measured under that CUDA allocator backend (and CPU rows),
+    so that every table and claim compares like with like; the default is PyTorch's
+    (``native``), ``None`` keeps every allocator (the graph-memory table shows them side by
+    side, its ``allocator`` column telling them apart).
 
     When a key was measured more than once (``redo=true``, or another session's run), a
     full-protocol row wins over a smoke row and, among equals, the last appended wins; with
@@ -130,6 +136,9 @@ def load_rows(gpu_dir: str | Path, every_run: bool = False, every_row: bool = Fa
     if not frames:
         return pd.DataFrame(columns=COLUMNS + ["smoke"])
     df = pd.concat(frames, ignore_index=True)
+    df["allocator"] = [row_allocator(r) for r in df[["device", "extra"]].to_dict("records")]
+    if allocator is not None:
+        df = df[df["allocator"].isin([allocator, ""])].reset_index(drop=True)
     for col in NUMERIC:
         df[col] = pd.to_numeric(df[col], errors="coerce")
     df["batch_size"] = df["batch_size"].astype("Int64")
@@ -145,8 +154,8 @@ def load_rows(gpu_dir: str | Path, every_run: bool = False, every_row: bool = Fa
     df = _same_run_baselines(df)
     df = df.sort_values(["smoke", "_order"], ascending=[False, True])
     if not every_row:
-        df = df.drop_duplicates(subset=list(KEY_COLUMNS) + (["run_id"] if every_run else []),
-                                keep="last")
+        df = df.drop_duplicates(subset=list(KEY_COLUMNS) + ["allocator"]
+                                + (["run_id"] if every_run else []), keep="last")
     return df.sort_values("_order").drop(columns="_order").reset_index(drop=True)
 
 
@@ -206,16 +215,17 @@ def nimble_memory_table(df: pd.DataFrame) -> pd.DataFrame:
         eager = e.get("eager_peak_mb") or math.nan   # 0: not measured (rows before 2026-11-29)
         total = e.get("graph_mem_mb", math.nan)
         out.append({"experiment": r["experiment"], "mode": r["mode"], "batch_size": r["batch_size"],
-                    "model": r["model"], "backend": r["backend"], "median_ms": r["median_ms"],
+                    "model": r["model"], "backend": r["backend"],
+                    "allocator": r.get("allocator") or "native", "median_ms": r["median_ms"],
                     "streams": e.get("streams"), "graph_pool_mb": e["graph_pool_mb"],
                     "graph_total_mb": total, "eager_peak_mb": eager,
                     "graph_over_eager": round(total / eager, 2) if eager == eager else math.nan,
                     "critical_path_ms": e.get("critical_path_ms", math.nan),
                     "over_critical_path": e.get("over_critical_path", math.nan)})
-    cols = ["experiment", "mode", "batch_size", "model", "backend", "median_ms", "streams",
-            "graph_pool_mb", "graph_total_mb", "eager_peak_mb", "graph_over_eager",
+    cols = ["experiment", "mode", "batch_size", "model", "backend", "allocator", "median_ms",
+            "streams", "graph_pool_mb", "graph_total_mb", "eager_peak_mb", "graph_over_eager",
             "critical_path_ms", "over_critical_path"]
-    return pd.DataFrame(out, columns=cols).sort_values(cols[:5], ignore_index=True)
+    return pd.DataFrame(out, columns=cols).sort_values(cols[:6], ignore_index=True)
 
 
 def _latest_rows(path: Path, keys: list[str]) -> pd.DataFrame | None:
@@ -1328,12 +1338,16 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     if len(df):
         figures["multistream_ablation.png"] = plot_multistream(df, headroom)
 
-    memory = nimble_memory_table(df) if len(df) else pd.DataFrame()
+    memory = nimble_memory_table(load_rows(gpu_dir, allocator=None)) if len(df) else pd.DataFrame()
     if len(memory):
         md += ["## Nimble: graph memory beside eager's, and the distance to the limit", "",
                "MiB. graph total = weights + the graph's pool; eager peak = weights + the peak of "
                "the uncaptured run before the capture (whole-step: that run also creates the "
-               "optimizer's state, which the pool does not hold). critical path = single-stream "
+               "optimizer's state, which the pool does not hold). allocator = the process's CUDA "
+               "allocator: `native` (the caching allocator: a multi-stream graph keeps one working "
+               "set per stream) or `cudaMallocAsync` (`device.allocator=cudaMallocAsync`: graph "
+               "memory nodes, reused across streams by the graph's order; eager and the graph's "
+               "ratio are of that process). critical path = single-stream "
                "kernel time along the heaviest dependency path (inference: Nimble's task graph; "
                "training: the recorded step, `experiments/limit.py`); over_critical_path = median "
                "latency / critical path.", "", md_table(memory), ""]

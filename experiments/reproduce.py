@@ -31,7 +31,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS = REPO_ROOT / "results"
 
 # conf/sweep/<name>.yaml, in the order they run.
-GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "paper_training",
+GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "multistream_memory",
+              "paper_training",
               "training_whole_step", "tensile_single", "tensile_captured", "tensile_equal_peak",
               "tensile_authors", "streamed_cost", "tensile_streamed"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble

@@ -486,6 +486,25 @@ def test_nimble_memory_table_puts_graph_memory_beside_eager(tmp_path):
     assert math.isnan(table.loc["n", "graph_over_eager"])
 
 
+def test_rows_of_another_allocator_stay_apart(tmp_path):
+    """A cudaMallocAsync run of the same setting replaces no native row in the tables and
+    claims; the graph-memory table shows both, named by allocator."""
+    store = ResultStore(tmp_path / "h200" / "inference.csv")
+    common = dict(experiment="inference", mode="inference", batch_size=32, status="ok", device="cuda",
+                  gpu="NVIDIA H200", warmup=50, iters=200, model="m", backend="nimble")
+    store.append({**common, "median_ms": 3.0, "extra": json.dumps(
+        {"run_id": "N", "graph_pool_mb": 490.0, "graph_mem_mb": 508.0, "eager_peak_mb": 115.0})})
+    store.append({**common, "median_ms": 3.1, "extra": json.dumps(
+        {"run_id": "A", "allocator": "cudaMallocAsync", "graph_pool_mb": 300.0,
+         "graph_mem_mb": 318.0, "eager_peak_mb": 115.0})})
+    native = report.load_rows(tmp_path / "h200")
+    assert list(native["median_ms"]) == [3.0]
+    assert list(report.load_rows(tmp_path / "h200", allocator="cudaMallocAsync")["median_ms"]) == [3.1]
+    table = report.nimble_memory_table(report.load_rows(tmp_path / "h200", allocator=None))
+    assert list(zip(table["allocator"], table["graph_pool_mb"])) == [("cudaMallocAsync", 300.0),
+                                                                     ("native", 490.0)]
+
+
 def test_a_claim_says_when_its_baseline_ran_on_a_loaded_host(tmp_path):
     store = ResultStore(tmp_path / "h200" / "inference.csv")
     common = dict(experiment="inference", mode="inference", model="resnet50", batch_size=1,
