@@ -8,10 +8,12 @@ PyTorch has two CUDA allocator backends, chosen once per process before CUDA sta
   capture. A block freed during capture is reused only by later allocations *on the
   stream that allocated it*, so a multi-stream graph keeps one working set per stream.
 * ``cudaMallocAsync``: allocations made during capture become CUDA graph memory nodes.
-  The driver assigns them addresses when the graph is instantiated and reuses memory
-  between allocations whose lifetimes do not overlap *in the graph's dependency order*,
-  across streams. The memory is mapped at the first launch and does not show in
-  ``memory_reserved``: it is read from the driver (``cuDeviceGetGraphMemAttribute``).
+  The driver gives them addresses and reuses memory between allocations whose lifetimes
+  do not overlap *in the graph's dependency order*, across streams. The memory is mapped
+  at the first launch and does not show in ``memory_reserved``. A graph's own memory is
+  the span of its allocation nodes' addresses (:func:`graph_alloc_ranges`); the driver's
+  device-wide counter (``cuDeviceGetGraphMemAttribute``) is shared by every graph of the
+  process, since graphs that do not run at once share physical pages.
 
 :class:`GraphMemoryMeter` hides the difference: snapshot before capture, read after.
 """
