@@ -45,10 +45,12 @@ def allocator_backend() -> str:
     return torch.cuda.get_allocator_backend()
 
 
-def allocator_conf() -> str:
-    """The allocator settings the process was started with: ``PYTORCH_ALLOC_CONF``, or
-    ``PYTORCH_CUDA_ALLOC_CONF`` (its older name, which newer PyTorch still reads); ``""``."""
-    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+def allocator_conf(environ: Mapping[str, str] | None = None) -> str:
+    """The allocator settings the process was started with (or ``environ`` holds):
+    ``PYTORCH_ALLOC_CONF``, or ``PYTORCH_CUDA_ALLOC_CONF`` (its older name, which newer
+    PyTorch still reads); ``""``."""
+    env = os.environ if environ is None else environ
+    return env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
 
 
 def allocator_environment(backend: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -65,7 +67,7 @@ def allocator_environment(backend: str, environ: Mapping[str, str] | None = None
     if backend not in ALLOCATOR_BACKENDS:
         raise ValueError(f"allocator backend: expected one of {', '.join(ALLOCATOR_BACKENDS)}, "
                          f"got {backend!r}")
-    conf = env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    conf = allocator_conf(env)
     settings = [kv.strip() for kv in conf.split(",") if kv.strip()]
     named = [kv.split(":", 1)[1].strip() for kv in settings if kv.startswith("backend:")]
     if named and named[-1] != backend:
@@ -96,6 +98,12 @@ def expandable_segments(conf: str | None = None) -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
+def _check(err: int, what: str) -> None:
+    """Raise for a driver call that did not return CUDA_SUCCESS."""
+    if err != 0:
+        raise RuntimeError(f"{what} failed with CUresult {err}")
+
+
 @functools.lru_cache(maxsize=1)
 def _libcuda() -> ctypes.CDLL:
     try:
@@ -108,17 +116,15 @@ def graph_memory_used(device: int | None = None) -> int:
     """Bytes of device memory the driver currently associates with CUDA graphs.
 
     Covers graph memory nodes only (``cudaMallocAsync`` backend); with the native
-    allocator graphs allocate from PyTorch's pools and this stays 0.
+    allocator graphs allocate from PyTorch's pools and this stays 0. Shared by every graph
+    of the process: for one graph's own memory see :func:`graph_alloc_ranges`.
     """
     lib = _libcuda()
     ordinal = torch.cuda.current_device() if device is None else device
     dev, value = ctypes.c_int(), ctypes.c_uint64()
-    if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)) != 0:
-        raise RuntimeError(f"cuDeviceGet({ordinal}) failed")
-    err = lib.cuDeviceGetGraphMemAttribute(dev, ctypes.c_int(_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
-                                           ctypes.byref(value))
-    if err != 0:
-        raise RuntimeError(f"cuDeviceGetGraphMemAttribute failed with CUresult {err}")
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)), f"cuDeviceGet({ordinal})")
+    _check(lib.cuDeviceGetGraphMemAttribute(dev, ctypes.c_int(_CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+                                            ctypes.byref(value)), "cuDeviceGetGraphMemAttribute")
     return int(value.value)
 
 
@@ -128,20 +134,17 @@ def graph_alloc_ranges(cuda_graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]
     lib = _libcuda()
     graph = ctypes.c_void_p(cuda_graph.raw_cuda_graph())
     count = ctypes.c_size_t(0)
-    if lib.cuGraphGetNodes(graph, None, ctypes.byref(count)) != 0:
-        raise RuntimeError("cuGraphGetNodes failed")
+    _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
     nodes = (ctypes.c_void_p * count.value)()
-    if lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)) != 0:
-        raise RuntimeError("cuGraphGetNodes failed")
+    _check(lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
     ranges = []
     kind, params = ctypes.c_int(), (ctypes.c_ubyte * _ALLOC_PARAMS_BYTES)()
     for node in nodes:
-        if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) != 0:
-            raise RuntimeError("cuGraphNodeGetType failed")
+        _check(lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)), "cuGraphNodeGetType")
         if kind.value != _CU_GRAPH_NODE_TYPE_MEM_ALLOC:
             continue
-        if lib.cuGraphMemAllocNodeGetParams(ctypes.c_void_p(node), ctypes.byref(params)) != 0:
-            raise RuntimeError("cuGraphMemAllocNodeGetParams failed")
+        _check(lib.cuGraphMemAllocNodeGetParams(ctypes.c_void_p(node), ctypes.byref(params)),
+               "cuGraphMemAllocNodeGetParams")
         raw = bytes(params)
         ranges.append((int.from_bytes(raw[_ALLOC_PARAMS_DPTR:_ALLOC_PARAMS_DPTR + 8], "little"),
                        int.from_bytes(raw[_ALLOC_PARAMS_BYTESIZE:_ALLOC_PARAMS_BYTESIZE + 8], "little")))

@@ -18,16 +18,11 @@ import weakref
 
 import torch
 
-from .allocator import _libcuda
+from .allocator import _check, _libcuda
 
 __all__ = ["NodePriorityGraph", "USE_NODE_PRIORITY"]
 
 USE_NODE_PRIORITY = 8   # CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY, cuda.h
-
-
-def _check(err: int, what: str) -> None:
-    if err != 0:
-        raise RuntimeError(f"{what} failed with CUresult {err}")
 
 
 class NodePriorityGraph:
