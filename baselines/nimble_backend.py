@@ -121,8 +121,8 @@ class NimbleSingleBackend(NimbleBackend):
 
 
 class NimbleMemoryBackend(NimbleBackend):
-    """Multi-stream within 1.2x of eager's peak activation memory (the issue's memory target):
-    streams are halved until the graph fits (``Nimble.prepare(memory_limit=1.2)``)."""
+    """Multi-stream within 1.2x of eager's peak (the issue's memory target; weights counted
+    in both): the most streams whose graph fits (``Nimble.prepare(memory_limit=1.2)``)."""
 
     name = "nimble-mem"
     memory_limit = 1.2

@@ -29,7 +29,7 @@ import torch
 
 __all__ = ["ALLOCATOR_BACKENDS", "allocator_backend", "allocator_conf", "expandable_segments",
            "graph_memory_used", "graph_alloc_ranges", "span_bytes", "allocator_environment",
-           "GraphMemoryMeter", "measure_eager_peak", "capture_dependencies", "frees_ordered_after"]
+           "GraphMemoryMeter", "measure_eager_peak"]
 
 ALLOCATOR_BACKENDS = ("native", "cudaMallocAsync")
 
@@ -38,8 +38,6 @@ _CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10          # CUgraphNodeType, cuda.h
 # CUDA_MEM_ALLOC_NODE_PARAMS, cuda.h: CUmemPoolProps (88 bytes), accessDescs, accessDescCount,
 # then the two fields read here (the same offsets since CUDA 11.4: the props struct kept its size).
 _ALLOC_PARAMS_BYTES, _ALLOC_PARAMS_BYTESIZE, _ALLOC_PARAMS_DPTR = 120, 104, 112
-_CU_STREAM_CAPTURE_STATUS_ACTIVE = 1        # CUstreamCaptureStatus, cuda.h
-_CU_STREAM_ADD_CAPTURE_DEPENDENCIES, _CU_STREAM_SET_CAPTURE_DEPENDENCIES = 0, 1
 
 
 def allocator_backend() -> str:
@@ -151,59 +149,6 @@ def graph_alloc_ranges(cuda_graph: torch.cuda.CUDAGraph) -> list[tuple[int, int]
         ranges.append((int.from_bytes(raw[_ALLOC_PARAMS_DPTR:_ALLOC_PARAMS_DPTR + 8], "little"),
                        int.from_bytes(raw[_ALLOC_PARAMS_BYTESIZE:_ALLOC_PARAMS_BYTESIZE + 8], "little")))
     return ranges
-
-
-def capture_dependencies(stream: torch.cuda.Stream) -> list[int]:
-    """The graph nodes the next work captured on ``stream`` will depend on (handles, copied:
-    the driver's array is valid only until the stream's next call). ``RuntimeError`` if
-    ``stream`` is not capturing."""
-    lib = _libcuda()
-    status, graph, count = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
-    capture_id, deps = ctypes.c_uint64(), ctypes.POINTER(ctypes.c_void_p)()
-    # The _v2 entry point (no edge data): CUDA 12's cuStreamGetCaptureInfo, still exported.
-    _check(lib.cuStreamGetCaptureInfo_v2(ctypes.c_void_p(stream.cuda_stream), ctypes.byref(status),
-                                         ctypes.byref(capture_id), ctypes.byref(graph),
-                                         ctypes.byref(deps), ctypes.byref(count)),
-           "cuStreamGetCaptureInfo_v2")
-    if status.value != _CU_STREAM_CAPTURE_STATUS_ACTIVE:
-        raise RuntimeError(f"stream {stream.cuda_stream:#x} is not capturing (status {status.value})")
-    return [int(deps[i] or 0) for i in range(count.value)]
-
-
-def _update_capture_dependencies(stream: torch.cuda.Stream, nodes: list[int], flags: int) -> None:
-    array = (ctypes.c_void_p * max(len(nodes), 1))(*nodes)
-    _check(_libcuda().cuStreamUpdateCaptureDependencies(
-        ctypes.c_void_p(stream.cuda_stream), array, ctypes.c_size_t(len(nodes)), ctypes.c_uint(flags)),
-        "cuStreamUpdateCaptureDependencies")
-
-
-@contextlib.contextmanager
-def frees_ordered_after(owner: torch.cuda.Stream, stream: torch.cuda.Stream) -> Iterator[None]:
-    """During capture, order what is freed inside the block after ``stream``'s work, not
-    ``owner``'s, and ``stream``'s later work after those frees.
-
-    Under the ``cudaMallocAsync`` backend PyTorch frees a tensor on the stream that
-    allocated it (``owner``): the free becomes a graph node after ``owner``'s last captured
-    work, and the driver may give the memory to an allocation only if the free comes before
-    it in the graph. When the tensor's last reader ran on another stream, that free either
-    comes too early (unsafe: PyTorch does not know the reader) or, held back until ``owner``
-    has waited for the reader, late. Here ``owner``'s capture dependencies are swapped for
-    ``stream``'s while the block frees (the free follows everything ``stream`` has waited
-    for), the new free nodes are added to ``stream``'s dependencies (its next allocation may
-    reuse the memory), and ``owner``'s own dependencies are put back: ``owner`` gains no
-    wait. The caller must know that ``stream``'s work is ordered after every use of what the
-    block frees. Both streams must be capturing, into the same graph.
-    """
-    saved = capture_dependencies(owner)
-    theirs = capture_dependencies(stream)
-    _update_capture_dependencies(owner, theirs, _CU_STREAM_SET_CAPTURE_DEPENDENCIES)
-    try:
-        yield
-    finally:
-        frees = [n for n in capture_dependencies(owner) if n not in theirs]
-        if frees:
-            _update_capture_dependencies(stream, frees, _CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
-        _update_capture_dependencies(owner, saved, _CU_STREAM_SET_CAPTURE_DEPENDENCIES)
 
 
 def span_bytes(ranges: list[tuple[int, int]]) -> int:

@@ -40,7 +40,6 @@ Pass ``return_copies=True`` to :meth:`Nimble.prepare` to get fresh tensors inste
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -49,8 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .allocator import (GraphMemoryMeter, allocator_backend, frees_ordered_after,
-                        measure_eager_peak)
+from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .convsel import select_conv_kernels
 from .convsel import summarize as summarize_conv_choices
@@ -91,7 +89,6 @@ class PrepareStats:
     graph_pool_bytes: int = 0        # the graph's own memory (pool or graph memory nodes)
     weights_bytes: int = 0
     allocator: str = "native"        # PyTorch's CUDA allocator backend during capture
-    frees_moved: int = 0             # cross-stream frees ordered after their last reader's stream
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,18 +108,11 @@ class ScheduledMode(OpRecorder):
     hands a freed block only to later allocations *on the stream that allocated it*, in
     that stream's order. A tensor allocated on stream A and used by op v on stream B must
     therefore not be freed until A is ordered after v, or A's next allocation could
-    overwrite it while B still reads it. This mode keeps the storage of every such
-    cross-stream tensor (``held``) and drops it only once A has waited (through the plan's
-    events) on an event recorded at or after v. "Ordered after" is tracked with vector
-    clocks: ``clock[a][b]`` is the last op of stream b that stream a is known to follow.
-    Tensors used on one stream only are freed and reused as in eager mode.
-
-    ``free_after_users`` (capture under ``cudaMallocAsync`` only): A may never wait for B,
-    and then the storage is held to the end of the graph. With this set, a storage that
-    no tensor refers to any more is freed as soon as *any* stream C is ordered after all
-    its uses, before C's next op, with the free node ordered after C's work
-    (:func:`nimble.allocator.frees_ordered_after`): C's next allocations may reuse it, and
-    A gains no wait.
+    overwrite it while B still reads it. This mode keeps a reference to every such
+    cross-stream tensor and drops it only once A has waited (through the plan's events)
+    on an event recorded at or after v. "Ordered after" is tracked with vector clocks:
+    ``clock[a][b]`` is the last op of stream b that stream a is known to follow. Tensors
+    used on one stream only are freed and reused as in eager mode.
 
     ``fused`` (optional, :class:`nimble.fusion.FusedRun`): make fused convs' calls instead
     of the module's own, and let their absorbed add and ReLU launch nothing.
@@ -144,10 +134,7 @@ class ScheduledMode(OpRecorder):
         self.clock = [[-1] * k for _ in range(k)]
         self.event_clock: dict[int, list[int]] = {}
         self.alloc_stream: dict[int, int] = {}          # storage id -> stream (-1: outside)
-        self.last_use: dict[int, dict[int, int]] = {}   # storage id -> stream -> its last op there
-        self.held: dict[int, Any] = {}                  # storage id -> the storage, kept alive
-        self.free_after_users = False
-        self.frees_moved = 0                            # frees ordered after another stream
+        self.pending: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in range(k)]
 
     def fork(self) -> None:
         """Every side stream starts after everything queued on the origin stream."""
@@ -165,14 +152,11 @@ class ScheduledMode(OpRecorder):
         joined back with the rest. Then the origin stream waits for every side stream
         (capture fails otherwise).
         """
-        for a in range(len(self.streams)):
-            mine = [sid for sid in self.held if self.alloc_stream[sid] == a]
-            for b in sorted({b for sid in mine for b, v in self.last_use[sid].items()
-                             if b != a and self.clock[a][b] < v}):
+        for a, refs in enumerate(self.pending):
+            for b in sorted({b for _, b, v in refs if self.clock[a][b] < v}):
                 self.streams[a].wait_stream(self.streams[b])
                 self._merge_clock(a, self.clock[b])
-            for sid in mine:
-                del self.held[sid]
+            refs.clear()
         for i, s in enumerate(self.streams[1:], start=1):
             self.streams[0].wait_stream(s)
             self._merge_clock(0, self.clock[i])
@@ -183,24 +167,10 @@ class ScheduledMode(OpRecorder):
             if v > mine[b]:
                 mine[b] = v
 
-    def _release(self, c: int) -> None:
-        """Before stream ``c``'s next op: drop the held storages of stream ``c`` whose
-        foreign uses ``c`` follows, and, with ``free_after_users``, free the unreferenced
-        held storages of other streams whose every use ``c`` follows."""
-        known = self.clock[c]
-        for sid in list(self.held):
-            a = self.alloc_stream[sid]
-            if a != c and not (self.free_after_users and _unreferenced(self.held[sid])):
-                continue
-            if any(known[b] < v for b, v in self.last_use[sid].items() if b != c):
-                continue
-            storage = self.held.pop(sid)
-            if a == c:
-                del storage
-                continue
-            with frees_ordered_after(self.streams[a], self.streams[c]):
-                del storage                              # the last reference: frees here
-            self.frees_moved += 1
+    def _release(self, a: int) -> None:
+        """Drop the references to tensors of stream ``a`` whose foreign uses ``a`` follows."""
+        known = self.clock[a]
+        self.pending[a] = [(t, b, v) for t, b, v in self.pending[a] if known[b] < v]
 
     def _current_index(self) -> int:
         current = torch.cuda.current_stream()
@@ -236,13 +206,9 @@ class ScheduledMode(OpRecorder):
         for t in outs:
             self.alloc_stream.setdefault(self.storage_id(t), s)
         for t in ins + outs:
-            sid = self.storage_id(t)
-            a = self.alloc_stream[sid]
-            if a < 0:
-                continue
-            self.last_use.setdefault(sid, {})[s] = index
-            if a != s and sid not in self.held:
-                self.held[sid] = t.untyped_storage()
+            a = self.alloc_stream[self.storage_id(t)]
+            if a >= 0 and a != s:
+                self.pending[a].append((t, s, index))
         self.clock[s][s] = index
         if index in self.signals:
             self.events[index].record(stream)
@@ -258,13 +224,6 @@ class ScheduledMode(OpRecorder):
             raise TraceMismatchError(index, f"{expected.name}{list(expected.input_shapes)}",
                                      f"{got[0]}{list(got[1])}")
         # The graph is known: no need to rebuild nodes and edges during capture.
-
-
-def _unreferenced(storage: Any) -> bool:
-    """Whether the held storage object is all that still holds its memory: no tensor uses
-    it, and nothing but :attr:`ScheduledMode.held` refers to the object (three references:
-    the dict, this argument, ``getrefcount``'s own)."""
-    return torch._C._storage_Use_Count(storage._cdata) == 1 and sys.getrefcount(storage) <= 3
 
 
 class Nimble:
@@ -297,7 +256,6 @@ class Nimble:
         self._max_streams: int | None = None
         self._split_conv_backward = False
         self._prioritize_critical = False
-        self._reorder_frees = True            # ScheduledMode.free_after_users where it applies
 
     # -- prepare ------------------------------------------------------------------------
     def prepare(self, dummy_input: torch.Tensor | Sequence[torch.Tensor], training: bool = False,
@@ -328,10 +286,11 @@ class Nimble:
                 in chain order; syncs are recomputed so the schedule stays safe).
             memory_limit: keep the graph's footprint (weights plus its pool,
                 ``stats.graph_total_bytes``) within this multiple of eager's peak (weights
-                plus the peak of what eager allocates, ``stats.eager_peak_bytes``) by
-                halving the number of streams until it fits (more streams keep more
-                alive at once, see *Memory* below); one stream is the floor, and
-                ``stats.notes`` says when even that does not fit.
+                plus the peak of what eager allocated, ``stats.eager_peak_bytes``): the
+                plan's chains are folded onto fewer streams (:func:`cap_streams`, a
+                bisection over the stream count) until the capture fits, since more
+                streams keep more alive at once (see *Memory* below); one stream is the
+                floor, and ``stats.notes`` says what was tried and whether it fits.
             split_conv_backward: (training) compute each convolution's weight gradient on
                 a side stream, beside its input gradient (:mod:`nimble.training`).
             prioritize_critical: create the streams that run the FLOP-heaviest dependency
@@ -455,8 +414,7 @@ class Nimble:
 
     # What a capture leaves on the object (and in its stats): swapped as one for "auto".
     _CAPTURE_STATE = ("plan", "_streams", "_cuda_graph", "_static_outputs", "_out_spec")
-    _CAPTURE_STATS = ("num_streams", "num_syncs", "plan_s", "capture_s", "graph_pool_bytes",
-                      "frees_moved")
+    _CAPTURE_STATS = ("num_streams", "num_syncs", "plan_s", "capture_s", "graph_pool_bytes")
 
     def _keep_faster_forward(self, rounds: int = 3, budget_s: float = 0.3) -> None:
         """``use_multi_stream="auto"``: capture on one stream too, keep the faster graph.
@@ -534,28 +492,42 @@ class Nimble:
         return keep_first, t_first, t_second, replays
 
     def _fit_memory(self, limit: float) -> None:
-        """Halve the streams and capture again until the graph's footprint fits ``limit``."""
+        """Capture again on fewer streams until the graph's footprint fits ``limit``.
+
+        Bisects over the stream count, assuming that fewer streams never need more memory:
+        the most streams that fit, in about log2(streams) captures (one more when the last
+        capture tried did not fit and the best that did must be captured again).
+        """
         allowed = limit * self.stats.eager_peak_bytes - self.stats.weights_bytes   # for the pool
-        tried = []
+        if self.stats.graph_pool_bytes <= allowed:
+            return
         full = self.plan                  # every cap folds this plan's chains (cap_streams)
-        while self.stats.graph_pool_bytes > allowed and self.plan.num_streams > 1:
-            tried.append(f"{self.plan.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB")
-            k = self.plan.num_streams // 2
-            # drop the old graph (its pool goes back to the allocator) before capturing anew
-            self._cuda_graph, self._static_outputs = None, []
-            self.plan = cap_streams(full, self.graph, k)
-            self._streams = self._streams[:self.plan.num_streams]
-            self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
-            self._capture_forward()
-        if tried:
-            self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB "
-                                    "for the pool): "
-                                    f"tried {', '.join(tried)}; kept {self.plan.num_streams}")
+        tried = [f"{full.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB"]
+        fits, fails = 1, full.num_streams          # one stream is the floor
+        while fails - fits > 1:
+            mid = (fits + fails) // 2
+            self._capture_on(cap_streams(full, self.graph, mid))
+            tried.append(f"{mid} streams {self.stats.graph_pool_bytes >> 20} MiB")
+            if self.stats.graph_pool_bytes <= allowed:
+                fits = mid
+            else:
+                fails = mid
+        if self.plan.num_streams != fits:
+            self._capture_on(cap_streams(full, self.graph, fits))
+        self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "
+                                f"the pool): tried {', '.join(tried)}; kept {fits}")
         if self.stats.graph_pool_bytes > allowed:
             self.stats.notes.append(
                 f"memory_limit {limit:g}x eager not met even on one stream "
-                f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB): the "
-                "caching allocator's segments round up what eager's peak counts exactly")
+                f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB)")
+
+    def _capture_on(self, plan: StreamPlan) -> None:
+        """Drop the current graph (its memory goes back first), then capture on ``plan``."""
+        self._cuda_graph, self._static_outputs = None, []
+        self.plan = plan
+        self._streams = self._streams[:plan.num_streams]
+        self.stats.num_streams, self.stats.num_syncs = plan.num_streams, len(plan.syncs)
+        self._capture_forward()
 
     def prepare_step(self, dummy_input: torch.Tensor | Sequence[torch.Tensor],
                      dummy_target: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
@@ -672,11 +644,6 @@ class Nimble:
         """Run the module under the plan; the current stream must be the origin stream."""
         fused = FusedRun(self._fusions) if self._fusions else None
         mode = ScheduledMode(self.graph, self.plan, self._streams, timing_events, fused)
-        # Frees can be ordered after another stream only as graph nodes: in a capture under
-        # cudaMallocAsync (the caching allocator would reuse the block on its own stream).
-        mode.free_after_users = (self._reorder_frees and self.plan.num_streams > 1
-                                 and torch.cuda.is_current_stream_capturing()
-                                 and allocator_backend() == "cudaMallocAsync")
         try:
             with torch.set_grad_enabled(grad):
                 mode.fork()
@@ -688,7 +655,6 @@ class Nimble:
         except FusionMismatchError as e:
             raise NimbleError(f"fuse_relu: {e}; prepare without fuse_relu") from e
         self._check_complete(mode)
-        self.stats.frees_moved = mode.frees_moved
         return out
 
     def _run_module_scheduled_current(self) -> Any:

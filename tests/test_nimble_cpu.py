@@ -253,70 +253,17 @@ def test_join_frees_what_it_holds_on_its_own_stream_before_joining():
     plan = StreamPlan(stream_of=[0, 1, 2], syncs=[], num_streams=3, chains=[], meg_edges=[])
     mode = ScheduledMode(TaskGraph(nodes=[], edges=[]), plan,
                          [_LoggedStream(i, log) for i in range(3)])
-    _hold(mode, 7, _Held("made on 1, read on 2", log), {1: 1, 2: 2})
-    _hold(mode, 8, _Held("made on 2, read on 0", log), {2: 1, 0: 0})
+    mode.pending[1].append((_Held("made on 1, read on 2", log), 2, 2))
+    mode.pending[2].append((_Held("made on 2, read on 0", log), 0, 0))
     mode.clock[2][0] = 0                       # stream 2 already follows that read
     mode.join()
     assert log == [("wait", 1, 2), ("free", "made on 1, read on 2"),
                    ("free", "made on 2, read on 0"),
                    ("wait", 0, 1), ("wait", 0, 2)]
-    assert not mode.held
+    assert all(not refs for refs in mode.pending)
 
 
-def _hold(mode, sid: int, storage, uses: dict[int, int]) -> None:
-    """Make ``mode`` hold ``storage`` as storage ``sid``, made on the stream of its first
-    use in ``uses`` (stream -> last op there) and used on the others."""
-    mode.alloc_stream[sid] = next(iter(uses))
-    mode.last_use[sid] = dict(uses)
-    mode.held[sid] = storage
-
-
-@pytest.mark.parametrize("free_after_users", [False, True])
-def test_held_storages_are_freed_once_a_stream_follows_every_use(monkeypatch, free_after_users):
-    """The release rule of ScheduledMode before each op: a storage made on stream 0 and read on
-    streams 1 and 2 is dropped by stream 0 once it follows both reads; with free_after_users
-    (captures under cudaMallocAsync) stream 2 frees it as soon as it follows every use and no
-    tensor refers to it, the free ordered after stream 2's work."""
-    import contextlib
-
-    import nimble.capture as capture
-    from nimble.capture import ScheduledMode
-    from nimble.streams import StreamPlan
-
-    log: list = []
-
-    @contextlib.contextmanager
-    def ordered_after(owner, stream):
-        log.append(("free on", owner.index, "after", stream.index))
-        yield
-    monkeypatch.setattr(capture, "frees_ordered_after", ordered_after)
-    plan = StreamPlan(stream_of=[0, 1, 2], syncs=[], num_streams=3, chains=[], meg_edges=[])
-    mode = ScheduledMode(TaskGraph(nodes=[], edges=[]), plan,
-                         [_LoggedStream(i, log) for i in range(3)])
-    mode.free_after_users = free_after_users
-    tensor = torch.empty(16)
-    _hold(mode, 5, tensor.untyped_storage(), {0: 0, 1: 1, 2: 2})
-    mode.clock[2] = [0, 1, 2]                  # stream 2 follows every use ...
-    mode._release(2)
-    assert 5 in mode.held                      # ... but a tensor still refers to the storage
-    del tensor
-    mode._release(1)                           # stream 1 does not follow stream 2's read
-    assert 5 in mode.held
-    mode._release(2)
-    if free_after_users:
-        assert 5 not in mode.held and log == [("free on", 0, "after", 2)]
-        assert mode.frees_moved == 1
-        return
-    assert 5 in mode.held and log == []        # without it, only stream 0 may let it go
-    mode.clock[0] = [0, 0, 1]                  # stream 0 follows the read on 1, not on 2
-    mode._release(0)
-    assert 5 in mode.held
-    mode.clock[0] = [0, 1, 2]
-    mode._release(0)
-    assert 5 not in mode.held and log == [] and mode.frees_moved == 0
-
-
-def test_memory_limit_halves_streams_until_the_graph_fits(monkeypatch):
+def test_memory_limit_keeps_the_most_streams_that_fit(monkeypatch):
     """The fallback logic of prepare(memory_limit=...), with a fake capture: each stream
     adds 100 MiB to the pool; eager's peak is 160 MiB with 10 MiB of weights."""
     m = torchvision.models.googlenet(aux_logits=False, init_weights=True).eval()
@@ -340,6 +287,19 @@ def test_memory_limit_halves_streams_until_the_graph_fits(monkeypatch):
     assert find_races(g, fast.plan.stream_of, fast.plan.syncs, trials=5) == []
     fast._fit_memory(0.6)                                 # 86 MiB: not even one stream fits
     assert "not met even on one stream" in fast.stats.notes[-1]
+    # 55 MiB a stream: 3 of the 4 streams fit (165 MiB), which halving (4 -> 2) would miss
+    fast.plan = Nimble._make_plan(g, True, None)
+    fast._streams = [object()] * fast.plan.num_streams
+    captured.clear()
+    monkeypatch.setattr(fast, "_capture_forward", lambda: (
+        captured.append(fast.plan.num_streams),
+        setattr(fast.stats, "graph_pool_bytes", fast.plan.num_streams * (55 << 20))))
+    fast._capture_forward()
+    fast._fit_memory(1.2)
+    assert captured == [4, 2, 3] and fast.plan.num_streams == 3 and fast.stats.num_streams == 3
+    assert fast.stats.notes[-1].endswith("tried 4 streams 220 MiB, 2 streams 110 MiB, "
+                                         "3 streams 165 MiB; kept 3")
+    assert find_races(g, fast.plan.stream_of, fast.plan.syncs, trials=5) == []
     with pytest.raises(NimbleError, match="memory_limit"):
         Nimble(m).prepare(torch.randn(1, 3, 64, 64), memory_limit=0)
 

@@ -47,7 +47,7 @@ def test_memory_limit_keeps_the_graph_within_the_limit_or_says_so(name):
     x = example_input(name, 32, "cuda")
     fast = Nimble(model).prepare(x, memory_limit=1.2)
     st = fast.stats
-    allowed = 1.2 * (st.eager_peak_bytes - st.weights_bytes)
+    allowed = 1.2 * st.eager_peak_bytes - st.weights_bytes      # weights + pool <= 1.2x eager
     assert st.graph_pool_bytes <= allowed or st.num_streams == 1, st
     if st.graph_pool_bytes > allowed:
         assert "not met even on one stream" in st.notes[-1]
