@@ -501,19 +501,19 @@ class Nimble:
         allowed = limit * self.stats.eager_peak_bytes - self.stats.weights_bytes   # for the pool
         if self.stats.graph_pool_bytes <= allowed:
             return
-        full = self.plan                  # every cap folds this plan's chains (cap_streams)
+        full, streams = self.plan, self._streams    # every cap folds full's chains (cap_streams)
         tried = [f"{full.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB"]
         fits, fails = 1, full.num_streams          # one stream is the floor
         while fails - fits > 1:
             mid = (fits + fails) // 2
-            self._capture_on(cap_streams(full, self.graph, mid))
+            self._capture_on(cap_streams(full, self.graph, mid), streams)
             tried.append(f"{mid} streams {self.stats.graph_pool_bytes >> 20} MiB")
             if self.stats.graph_pool_bytes <= allowed:
                 fits = mid
             else:
                 fails = mid
         if self.plan.num_streams != fits:
-            self._capture_on(cap_streams(full, self.graph, fits))
+            self._capture_on(cap_streams(full, self.graph, fits), streams)
         self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "
                                 f"the pool): tried {', '.join(tried)}; kept {fits}")
         if self.stats.graph_pool_bytes > allowed:
@@ -521,11 +521,12 @@ class Nimble:
                 f"memory_limit {limit:g}x eager not met even on one stream "
                 f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB)")
 
-    def _capture_on(self, plan: StreamPlan) -> None:
-        """Drop the current graph (its memory goes back first), then capture on ``plan``."""
+    def _capture_on(self, plan: StreamPlan, streams: list[torch.cuda.Stream]) -> None:
+        """Drop the current graph (its memory goes back first), then capture on ``plan``,
+        with the first of ``streams``."""
         self._cuda_graph, self._static_outputs = None, []
         self.plan = plan
-        self._streams = self._streams[:plan.num_streams]
+        self._streams = streams[:plan.num_streams]
         self.stats.num_streams, self.stats.num_syncs = plan.num_streams, len(plan.syncs)
         self._capture_forward()
 

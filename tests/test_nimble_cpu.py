@@ -297,6 +297,7 @@ def test_memory_limit_keeps_the_most_streams_that_fit(monkeypatch):
     fast._capture_forward()
     fast._fit_memory(1.2)
     assert captured == [4, 2, 3] and fast.plan.num_streams == 3 and fast.stats.num_streams == 3
+    assert len(fast._streams) == 3                        # back up from 2: the streams kept
     assert fast.stats.notes[-1].endswith("tried 4 streams 220 MiB, 2 streams 110 MiB, "
                                          "3 streams 165 MiB; kept 3")
     assert find_races(g, fast.plan.stream_of, fast.plan.syncs, trials=5) == []
