@@ -466,6 +466,17 @@ class Nimble:
             f"conv on cuDNN (median of {rounds} x {replays} replays): "
             + ("kept the selection" if keep else "kept cuDNN"))
 
+    def _capture_snapshot(self) -> "_CaptureSnapshot":
+        """The current graph with what describes it (restored by :meth:`_restore_capture`)."""
+        return _CaptureSnapshot({a: getattr(self, a) for a in self._CAPTURE_STATE},
+                                {a: getattr(self.stats, a) for a in self._CAPTURE_STATS})
+
+    def _restore_capture(self, snapshot: "_CaptureSnapshot") -> None:
+        for a, v in snapshot.state.items():
+            setattr(self, a, v)
+        for a, v in snapshot.stats.items():
+            setattr(self.stats, a, v)
+
     def _race_recapture(self, change: Callable[[], None], rounds: int,
                         budget_s: float) -> tuple[bool, float, float, int]:
         """Capture again after ``change()`` and race the new graph against the current one
@@ -473,21 +484,17 @@ class Nimble:
         the faster keeps its capture state and stats, the other's memory pool is released.
         Returns whether the current (first) graph was kept, both times and the replays.
         The caller puts back what ``change`` changed beyond the capture state."""
-        first = {a: getattr(self, a) for a in self._CAPTURE_STATE}
-        first_stats = {a: getattr(self.stats, a) for a in self._CAPTURE_STATS}
+        first = self._capture_snapshot()
         change()
         self._capture_forward()
-        replays = race_replays(replay_ms(first["_cuda_graph"], 1), budget_s, rounds)
-        t_first, t_second = race_graphs(first["_cuda_graph"], self._cuda_graph, rounds, replays)
+        replays = race_replays(replay_ms(first.graph, 1), budget_s, rounds)
+        t_first, t_second = race_graphs(first.graph, self._cuda_graph, rounds, replays)
         keep_first = t_first < t_second
         if keep_first:
             loser = self._cuda_graph
-            for a, v in first.items():
-                setattr(self, a, v)
-            for a, v in first_stats.items():
-                setattr(self.stats, a, v)
+            self._restore_capture(first)
         else:
-            loser = first["_cuda_graph"]
+            loser = first.graph
         release_graph(loser)
         return keep_first, t_first, t_second, replays
 
@@ -504,16 +511,26 @@ class Nimble:
         full, streams = self.plan, self._streams    # every cap folds full's chains (cap_streams)
         tried = [f"{full.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB"]
         fits, fails = 1, full.num_streams          # one stream is the floor
+        best = None                                # the capture on `fits` streams, once made
+        if fails > 1:
+            release_graph(self._cuda_graph)
         while fails - fits > 1:
             mid = (fits + fails) // 2
             self._capture_on(cap_streams(full, self.graph, mid), streams)
             tried.append(f"{mid} streams {self.stats.graph_pool_bytes >> 20} MiB")
             if self.stats.graph_pool_bytes <= allowed:
-                fits = mid
+                if best is not None:
+                    release_graph(best.graph)
+                fits, best = mid, self._capture_snapshot()
             else:
                 fails = mid
-        if self.plan.num_streams != fits:
-            self._capture_on(cap_streams(full, self.graph, fits), streams)
+                release_graph(self._cuda_graph)
+        # Keep the capture that fitted: capturing the same plan again may come out larger
+        # (under cudaMallocAsync the span of a graph's addresses moved by up to 13 %).
+        if best is not None:
+            self._restore_capture(best)
+        elif fails > 1:
+            self._capture_on(cap_streams(full, self.graph, 1), streams)
         self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "
                                 f"the pool): tried {', '.join(tried)}; kept {fits}")
         if self.stats.graph_pool_bytes > allowed:
@@ -803,6 +820,18 @@ def check_stream_choice(use_multi_stream: Any) -> None:
     """``prepare`` / ``prepare_step`` take ``use_multi_stream`` True, False or "auto"."""
     if use_multi_stream not in (True, False, "auto"):
         raise NimbleError(f"use_multi_stream must be True, False or 'auto', got {use_multi_stream!r}")
+
+
+@dataclass
+class _CaptureSnapshot:
+    """A captured graph and the Nimble state and stats that go with it."""
+
+    state: dict[str, Any]
+    stats: dict[str, Any]
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph:
+        return self.state["_cuda_graph"]
 
 
 def release_graph(graph) -> None:

@@ -291,13 +291,36 @@ def test_memory_limit_keeps_the_most_streams_that_fit(monkeypatch):
     fast.plan = Nimble._make_plan(g, True, None)
     fast._streams = [object()] * fast.plan.num_streams
     captured.clear()
-    monkeypatch.setattr(fast, "_capture_forward", lambda: (
-        captured.append(fast.plan.num_streams),
-        setattr(fast.stats, "graph_pool_bytes", fast.plan.num_streams * (55 << 20))))
+    graphs = []
+
+    class _Graph:                                         # what release_graph calls
+        def __init__(self, streams):
+            self.streams, self.released = streams, False
+            graphs.append(self)
+
+        def reset(self):
+            self.released = True
+
+    def capture_55():
+        captured.append(fast.plan.num_streams)
+        fast._cuda_graph = _Graph(fast.plan.num_streams)
+        fast.stats.graph_pool_bytes = fast.plan.num_streams * (55 << 20)
+    monkeypatch.setattr(fast, "_capture_forward", capture_55)
     fast._capture_forward()
     fast._fit_memory(1.2)
     assert captured == [4, 2, 3] and fast.plan.num_streams == 3 and fast.stats.num_streams == 3
     assert len(fast._streams) == 3                        # back up from 2: the streams kept
+    assert fast._cuda_graph is graphs[-1] and [g.released for g in graphs] == [True, True, False]
+    # 3 streams fit and 4 do not only the first time: the fitting capture is the one kept
+    captured.clear()
+    fast.plan, fast._streams = Nimble._make_plan(g, True, None), [object()] * 4
+    sizes = iter([220, 110, 165, 200])                    # a capture of 3 again would not fit
+    monkeypatch.setattr(fast, "_capture_forward", lambda: (
+        captured.append(fast.plan.num_streams), setattr(fast, "_cuda_graph", _Graph(0)),
+        setattr(fast.stats, "graph_pool_bytes", next(sizes) << 20)))
+    fast._capture_forward()
+    fast._fit_memory(1.2)
+    assert captured == [4, 2, 3] and fast.stats.graph_pool_bytes == 165 << 20
     assert fast.stats.notes[-1].endswith("tried 4 streams 220 MiB, 2 streams 110 MiB, "
                                          "3 streams 165 MiB; kept 3")
     assert find_races(g, fast.plan.stream_of, fast.plan.syncs, trials=5) == []
