@@ -502,8 +502,9 @@ class Nimble:
         """Capture again on fewer streams until the graph's footprint fits ``limit``.
 
         Bisects over the stream count, assuming that fewer streams never need more memory:
-        the most streams that fit, in about log2(streams) captures (one more when the last
-        capture tried did not fit and the best that did must be captured again).
+        the most streams that fit, in about log2(streams) captures, plus one of a single
+        stream when no other count fits. Each try that fails is released at once; the best
+        that fits is kept as captured.
         """
         allowed = limit * self.stats.eager_peak_bytes - self.stats.weights_bytes   # for the pool
         if self.stats.graph_pool_bytes <= allowed:
