@@ -540,8 +540,9 @@ class Nimble:
                 f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB)")
 
     def _capture_on(self, plan: StreamPlan, streams: list[torch.cuda.Stream]) -> None:
-        """Drop the current graph (its memory goes back first), then capture on ``plan``,
-        with the first of ``streams``."""
+        """Let go of this object's reference to the current graph (the caller has released
+        it, or keeps it in a snapshot), then capture on ``plan`` with the first
+        ``plan.num_streams`` of ``streams``."""
         self._cuda_graph, self._static_outputs = None, []
         self.plan = plan
         self._streams = streams[:plan.num_streams]
