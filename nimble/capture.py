@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
+from .memplan import lifetimes, live_bytes
 from .convsel import select_conv_kernels
 from .convsel import summarize as summarize_conv_choices
 from .fusion import (ConvReluFusion, FusedRun, FusionMismatchError, find_conv_relu,
@@ -499,26 +500,69 @@ class Nimble:
         return keep_first, t_first, t_second, replays
 
     def _fit_memory(self, limit: float) -> None:
-        """Capture again on fewer streams until the graph's footprint fits ``limit``.
+        """Capture less concurrent plans until the graph's footprint fits ``limit``.
 
-        Bisects over the stream count, assuming that fewer streams never need more memory:
-        the most streams that fit, in about log2(streams) captures, plus one of a single
-        stream when no other count fits. Each try that fails is released at once; the best
-        that fits is kept as captured.
+        Two ladders of plans run from the full plan down towards one stream, and each is
+        bisected for its most concurrent plan that fits, assuming that along a ladder less
+        concurrency never needs more memory (about log2 of its length in captures):
+
+        - *serialized*: every stream kept, the ops where most memory is alive moved onto
+          stream 0 (:func:`serialize_hot`, the share in :data:`SERIALIZE_SHARES`);
+        - *folded*: the chains folded onto fewer streams (:func:`cap_streams`).
+
+        When both fit with more than one stream, the two graphs race and the faster stays
+        (a note gives both times); when neither does, one stream is the floor. Each try that
+        fails is released at once; what is kept is the capture that fitted, not a new one.
         """
         allowed = limit * self.stats.eager_peak_bytes - self.stats.weights_bytes   # for the pool
         if self.stats.graph_pool_bytes <= allowed:
             return
-        full, streams = self.plan, self._streams    # every cap folds full's chains (cap_streams)
+        full, streams = self.plan, self._streams
         tried = [f"{full.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB"]
-        fits, fails = 1, full.num_streams          # one stream is the floor
-        best = None                                # the capture on `fits` streams, once made
-        if fails > 1:
-            release_graph(self._cuda_graph)
-        while fails - fits > 1:
-            mid = (fits + fails) // 2
-            self._capture_on(cap_streams(full, self.graph, mid), streams)
-            tried.append(f"{mid} streams {self.stats.graph_pool_bytes >> 20} MiB")
+        release_graph(self._cuda_graph)
+        fits = []
+        if full.num_streams > 1:
+            serialized = [(f"ops at >= {share:g} of the live peak on stream 0",
+                           serialize_hot(full, self.graph, share)) for share in SERIALIZE_SHARES]
+            folded = [(f"{k} streams", cap_streams(full, self.graph, k))
+                      for k in range(full.num_streams - 1, 1, -1)]
+            for ladder in (serialized, folded):
+                best = self._bisect_fit(ladder, allowed, streams, tried)
+                if best is not None:
+                    fits.append(best)
+        if len(fits) == 2:
+            rounds = 3
+            replays = race_replays(replay_ms(fits[0].graph, 1), 0.3, rounds)
+            t_serialized, t_folded = race_graphs(fits[0].graph, fits[1].graph, rounds, replays)
+            loser = int(t_serialized < t_folded)
+            release_graph(fits.pop(loser).graph)
+            tried.append(f"serialized {t_serialized:.3f} ms, folded {t_folded:.3f} ms")
+        if fits:
+            self._restore_capture(fits[0])
+        else:
+            self._capture_on(cap_streams(full, self.graph, 1), streams)
+        kept = self.stats.num_streams
+        self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "
+                                f"the pool): tried {', '.join(tried)}; kept {kept} stream"
+                                f"{'s' if kept > 1 else ''} ({self.stats.graph_pool_bytes >> 20} MiB)")
+        if self.stats.graph_pool_bytes > allowed:
+            self.stats.notes.append(
+                f"memory_limit {limit:g}x eager not met even on one stream "
+                f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB)")
+
+    def _bisect_fit(self, ladder: list[tuple[str, StreamPlan]], allowed: float,
+                    streams: list[torch.cuda.Stream], tried: list[str]) -> "_CaptureSnapshot | None":
+        """The capture of the first plan of ``ladder`` (most concurrent first) whose pool fits
+        ``allowed``, found by bisection (the plan before the ladder is known not to fit and
+        the one after it, one stream, is assumed to); ``None`` when none of them fits.
+        Appends "label size" to ``tried``; releases every capture but the one returned."""
+        fails, fits = -1, len(ladder)
+        best = None
+        while fits - fails > 1:
+            mid = (fails + fits) // 2
+            label, plan = ladder[mid]
+            self._capture_on(plan, streams)
+            tried.append(f"{label} {self.stats.graph_pool_bytes >> 20} MiB")
             if self.stats.graph_pool_bytes <= allowed:
                 if best is not None:
                     release_graph(best.graph)
@@ -526,18 +570,7 @@ class Nimble:
             else:
                 fails = mid
                 release_graph(self._cuda_graph)
-        # Keep the capture that fitted: capturing the same plan again may come out larger
-        # (under cudaMallocAsync the span of a graph's addresses moved by up to 13 %).
-        if best is not None:
-            self._restore_capture(best)
-        elif fails > 1:
-            self._capture_on(cap_streams(full, self.graph, 1), streams)
-        self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "
-                                f"the pool): tried {', '.join(tried)}; kept {fits}")
-        if self.stats.graph_pool_bytes > allowed:
-            self.stats.notes.append(
-                f"memory_limit {limit:g}x eager not met even on one stream "
-                f"({self.stats.graph_pool_bytes >> 20} MiB > {allowed / 2**20:.0f} MiB)")
+        return best
 
     def _capture_on(self, plan: StreamPlan, streams: list[torch.cuda.Stream]) -> None:
         """Let go of this object's reference to the current graph (the caller has released
@@ -933,6 +966,10 @@ def _event_gap_ms(stream: torch.cuda.Stream, count: int = 101) -> float:
     return sorted(gaps)[1]
 
 
+# Shares of the live peak for serialize_hot, tried by memory_limit: finer where the H200's
+# b32 pools came close to 1.2x of eager (DARTS: 110 MiB at 0.3 against 108 allowed).
+SERIALIZE_SHARES = (0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3, 0.25, 0.2, 0.15, 0.1, 0.05)
+
 TINY_OP_BYTES = 4096   # an op moving less than this has nothing worth overlapping
 
 
@@ -966,7 +1003,35 @@ def cap_streams(plan: StreamPlan, graph: TaskGraph, max_streams: int) -> StreamP
     """
     if max_streams < 1:
         raise ValueError(f"max_streams must be >= 1, got {max_streams}")
-    stream_of = [s % max_streams for s in plan.stream_of]
+    return _replan(plan, graph, [s % max_streams for s in plan.stream_of], max_streams)
+
+
+def _replan(plan: StreamPlan, graph: TaskGraph, stream_of: list[int],
+            num_streams: int) -> StreamPlan:
+    """``plan`` with its ops moved to ``stream_of``: every edge across streams is a sync
+    (safe, not minimal: a stream runs its ops in index order, which only adds ordering)."""
     syncs = sorted({(u, v) for u, v in graph.edges if stream_of[u] != stream_of[v]})
-    return StreamPlan(stream_of=stream_of, syncs=syncs, num_streams=max_streams,
+    return StreamPlan(stream_of=stream_of, syncs=syncs, num_streams=num_streams,
                       chains=plan.chains, meg_edges=plan.meg_edges)
+
+
+def serialize_hot(plan: StreamPlan, graph: TaskGraph, share: float) -> StreamPlan:
+    """Run the ops where most memory is alive on stream 0, in program order; keep the
+    others on ``plan``'s streams. Syncs = cross-stream edges, as in :func:`cap_streams`.
+
+    An op is *hot* when the graph's tensors alive at it, in program order
+    (:func:`nimble.memplan.live_bytes`), come to at least ``share`` of their peak.
+    Concurrency costs memory where tensors are large: at batch 32 the NAS cells at full
+    resolution hold most of the bytes, and running their branches at once keeps several
+    branches' tensors alive together. Serialized there and concurrent elsewhere, the
+    H200 measured (cudaMallocAsync, DARTS b32): 133 MiB of pool at 1.27x over one stream
+    for ``share=0.5``, where two streams everywhere took 169 MiB for 1.13x. ``share=0``
+    puts every op on stream 0; streams left without ops are dropped.
+    """
+    if not 0 <= share <= 1:
+        raise ValueError(f"share must be within [0, 1], got {share}")
+    live = live_bytes(lifetimes(graph), graph.num_nodes)
+    peak = int(live.max()) if graph.num_nodes else 0
+    stream_of = [0 if live[i] >= share * peak else s for i, s in enumerate(plan.stream_of)]
+    renumber = {s: i for i, s in enumerate(sorted(set(stream_of) | {0}))}
+    return _replan(plan, graph, [renumber[s] for s in stream_of], len(renumber))

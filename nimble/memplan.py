@@ -31,7 +31,7 @@ import numpy as np
 from .graph import TaskGraph
 from .streams import StreamPlan
 
-__all__ = ["Lifetime", "lifetimes", "HappensBefore", "arena_bytes", "live_peak",
+__all__ = ["Lifetime", "lifetimes", "HappensBefore", "arena_bytes", "live_bytes", "live_peak",
            "round_robin_order", "interleaved_peak"]
 
 
@@ -144,13 +144,18 @@ def arena_bytes(tensors: list[Lifetime], order: HappensBefore) -> int:
     return int(top)
 
 
-def live_peak(tensors: list[Lifetime], num_nodes: int) -> int:
-    """Most bytes of ``tensors`` alive at any one op, running the ops in index order."""
+def live_bytes(tensors: list[Lifetime], num_nodes: int) -> np.ndarray:
+    """Bytes of ``tensors`` alive at each op (int64, one entry an op), ops in index order."""
     delta = np.zeros(num_nodes + 1, dtype=np.int64)
     for t in tensors:
         delta[t.first] += t.nbytes
         delta[t.last + 1] -= t.nbytes
-    return int(np.cumsum(delta)[:-1].max()) if num_nodes else 0
+    return np.cumsum(delta)[:-1]
+
+
+def live_peak(tensors: list[Lifetime], num_nodes: int) -> int:
+    """Most bytes of ``tensors`` alive at any one op, running the ops in index order."""
+    return int(live_bytes(tensors, num_nodes).max()) if num_nodes else 0
 
 
 def round_robin_order(plan: StreamPlan) -> list[int]:
