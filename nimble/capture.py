@@ -518,10 +518,11 @@ class Nimble:
         if self.stats.graph_pool_bytes <= allowed:
             return
         full, streams = self.plan, self._streams
-        tried = [f"{full.num_streams} streams {self.stats.graph_pool_bytes >> 20} MiB"]
-        release_graph(self._cuda_graph)
+        tried = [f"{full.num_streams} stream{'s' if full.num_streams > 1 else ''} "
+                 f"{self.stats.graph_pool_bytes >> 20} MiB"]
         fits = []
-        if full.num_streams > 1:
+        if full.num_streams > 1:                   # else the capture is the floor already
+            release_graph(self._cuda_graph)
             serialized = [(f"ops at >= {share:g} of the live peak on stream 0",
                            serialize_hot(full, self.graph, share)) for share in SERIALIZE_SHARES]
             folded = [(f"{k} streams", cap_streams(full, self.graph, k))
@@ -539,7 +540,7 @@ class Nimble:
             tried.append(f"serialized {t_serialized:.3f} ms, folded {t_folded:.3f} ms")
         if fits:
             self._restore_capture(fits[0])
-        else:
+        elif full.num_streams > 1:
             self._capture_on(cap_streams(full, self.graph, 1), streams)
         kept = self.stats.num_streams
         self.stats.notes.append(f"memory_limit {limit:g}x eager ({allowed / 2**20:.0f} MiB for "

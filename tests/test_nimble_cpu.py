@@ -361,8 +361,10 @@ def test_memory_limit_falls_back_to_one_stream(monkeypatch):
     assert fast.plan.num_streams == fast.stats.num_streams == len(fast._streams) == 1
     assert fast.stats.notes[-1].endswith("kept 1 stream (100 MiB)")
     assert [x for x in graphs if not x.released] == [fast._cuda_graph]
+    kept = fast._cuda_graph
     fast._fit_memory(0.6)                                 # 86 MiB: not even one stream fits
     assert "not met even on one stream" in fast.stats.notes[-1]
+    assert fast._cuda_graph is kept and not kept.released  # one stream: nothing to try
 
 
 def test_memory_limit_keeps_the_capture_that_fitted(monkeypatch):
