@@ -34,6 +34,8 @@ free list. Under the ``cudaMallocAsync`` allocator backend (the process started 
 memory nodes instead, and the driver reuses memory across streams wherever the graph orders
 one tensor's free before another's allocation: on the H200 a 13-stream NASNet-A mobile
 graph at batch 32 holds 303 MiB there against 490-548 MiB under the caching allocator.
+``memory_limit`` gives up concurrency where memory is high (:func:`serialize_hot`) or
+everywhere (:func:`cap_streams`) until the graph fits beside eager's peak.
 
 Outputs are static: the tensors returned by a call are overwritten by the next call.
 Pass ``return_copies=True`` to :meth:`Nimble.prepare` to get fresh tensors instead.
@@ -287,11 +289,12 @@ class Nimble:
                 in chain order; syncs are recomputed so the schedule stays safe).
             memory_limit: keep the graph's footprint (weights plus its pool,
                 ``stats.graph_total_bytes``) within this multiple of eager's peak (weights
-                plus the peak of what eager allocated, ``stats.eager_peak_bytes``): the
-                plan's chains are folded onto fewer streams (:func:`cap_streams`, a
-                bisection over the stream count) until the capture fits, since more
-                streams keep more alive at once (see *Memory* below); one stream is the
-                floor, and ``stats.notes`` says what was tried and whether it fits.
+                plus the peak of what eager allocated, ``stats.eager_peak_bytes``), since
+                more concurrency keeps more alive at once. Two ladders of plans are
+                bisected until the capture fits: the ops where most memory is alive run on
+                stream 0 (:func:`serialize_hot`), or the chains fold onto fewer streams
+                (:func:`cap_streams`); when both fit, the faster graph stays. One stream
+                is the floor, and ``stats.notes`` says what was tried and whether it fits.
             split_conv_backward: (training) compute each convolution's weight gradient on
                 a side stream, beside its input gradient (:mod:`nimble.training`).
             prioritize_critical: create the streams that run the FLOP-heaviest dependency
