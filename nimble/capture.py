@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -491,15 +492,19 @@ class Nimble:
         first = self._capture_snapshot()
         change()
         self._capture_forward()
+        return self._race_captures(first, self._capture_snapshot(), rounds, budget_s)
+
+    def _race_captures(self, first: "_CaptureSnapshot", second: "_CaptureSnapshot", rounds: int,
+                       budget_s: float) -> tuple[bool, float, float, int]:
+        """Race two captures (:func:`race_graphs`, ``rounds`` times as many replays each as
+        fit ``budget_s``); the faster becomes this object's capture, the other's memory pool
+        is released. Returns whether ``first`` was kept, both times and the replays."""
         replays = race_replays(replay_ms(first.graph, 1), budget_s, rounds)
-        t_first, t_second = race_graphs(first.graph, self._cuda_graph, rounds, replays)
+        t_first, t_second = race_graphs(first.graph, second.graph, rounds, replays)
         keep_first = t_first < t_second
-        if keep_first:
-            loser = self._cuda_graph
-            self._restore_capture(first)
-        else:
-            loser = first.graph
-        release_graph(loser)
+        winner, loser = (first, second) if keep_first else (second, first)
+        self._restore_capture(winner)
+        release_graph(loser.graph)
         return keep_first, t_first, t_second, replays
 
     def _fit_memory(self, limit: float) -> None:
@@ -510,7 +515,8 @@ class Nimble:
         concurrency never needs more memory (about log2 of its length in captures):
 
         - *serialized*: every stream kept, the ops where most memory is alive moved onto
-          stream 0 (:func:`serialize_hot`, the share in :data:`SERIALIZE_SHARES`);
+          stream 0 (:func:`serialize_ladder`: :func:`serialize_hot` at each share of
+          :data:`SERIALIZE_SHARES`, repeated plans left out);
         - *folded*: the chains folded onto fewer streams (:func:`cap_streams`).
 
         When both fit with more than one stream, the two graphs race and the faster stays
@@ -526,8 +532,8 @@ class Nimble:
         fits = []
         if full.num_streams > 1:                   # else the capture is the floor already
             release_graph(self._cuda_graph)
-            serialized = [(f"ops at >= {share:g} of the live peak on stream 0",
-                           serialize_hot(full, self.graph, share)) for share in SERIALIZE_SHARES]
+            serialized = [(f"ops at >= {share:g} of the live peak on stream 0", plan)
+                          for share, plan in serialize_ladder(full, self.graph)]
             folded = [(f"{k} streams", cap_streams(full, self.graph, k))
                       for k in range(full.num_streams - 1, 1, -1)]
             for ladder in (serialized, folded):
@@ -535,13 +541,9 @@ class Nimble:
                 if best is not None:
                     fits.append(best)
         if len(fits) == 2:
-            rounds = 3
-            replays = race_replays(replay_ms(fits[0].graph, 1), 0.3, rounds)
-            t_serialized, t_folded = race_graphs(fits[0].graph, fits[1].graph, rounds, replays)
-            loser = int(t_serialized < t_folded)
-            release_graph(fits.pop(loser).graph)
+            _, t_serialized, t_folded, _ = self._race_captures(*fits, rounds=3, budget_s=0.3)
             tried.append(f"serialized {t_serialized:.3f} ms, folded {t_folded:.3f} ms")
-        if fits:
+        elif fits:
             self._restore_capture(fits[0])
         elif full.num_streams > 1:
             self._capture_on(cap_streams(full, self.graph, 1), streams)
@@ -1034,7 +1036,24 @@ def serialize_hot(plan: StreamPlan, graph: TaskGraph, share: float) -> StreamPla
     """
     if not 0 <= share <= 1:
         raise ValueError(f"share must be within [0, 1], got {share}")
+    return _serialize(plan, graph, live_bytes(lifetimes(graph), graph.num_nodes), share)
+
+
+def serialize_ladder(plan: StreamPlan, graph: TaskGraph,
+                     shares: Sequence[float] = SERIALIZE_SHARES) -> list[tuple[float, StreamPlan]]:
+    """``(share, serialize_hot(plan, graph, share))`` for each of ``shares`` (highest
+    first), the live profile computed once; a share whose plan repeats the one before
+    it (no op crosses the threshold in between) is left out."""
     live = live_bytes(lifetimes(graph), graph.num_nodes)
+    ladder: list[tuple[float, StreamPlan]] = []
+    for share in shares:
+        serialized = _serialize(plan, graph, live, share)
+        if not ladder or serialized.stream_of != ladder[-1][1].stream_of:
+            ladder.append((share, serialized))
+    return ladder
+
+
+def _serialize(plan: StreamPlan, graph: TaskGraph, live: np.ndarray, share: float) -> StreamPlan:
     peak = int(live.max()) if graph.num_nodes else 0
     stream_of = [0 if live[i] >= share * peak else s for i, s in enumerate(plan.stream_of)]
     renumber = {s: i for i, s in enumerate(sorted(set(stream_of) | {0}))}

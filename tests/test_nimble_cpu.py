@@ -11,7 +11,8 @@ from torch import nn
 from compare import rel_err
 from nimble import Nimble, NimbleError, TaskGraph
 from nimble import capture
-from nimble.capture import SERIALIZE_SHARES, cap_streams, fold_tiny_isolated_ops, serialize_hot
+from nimble.capture import (SERIALIZE_SHARES, cap_streams, fold_tiny_isolated_ops, serialize_hot,
+                            serialize_ladder)
 from nimble.memplan import lifetimes, live_bytes
 from nimble.passes import fold_conv_bn, to_channels_last
 from nimble.racecheck import find_races
@@ -316,6 +317,14 @@ def test_serialize_hot_moves_the_ops_at_the_memory_peak_to_stream_0():
         assert sum(s == 0 for s in plan.stream_of) >= previous    # lower shares move more
         previous = sum(s == 0 for s in plan.stream_of)
         assert find_races(g, plan.stream_of, plan.syncs, trials=5) == []
+    ladder = serialize_ladder(full, g)                    # one profile, repeats left out
+    assert [share for share, _ in ladder] == sorted({share for share, _ in ladder}, reverse=True)
+    assert all(a.stream_of != b.stream_of for (_, a), (_, b) in zip(ladder, ladder[1:]))
+    for share, plan in ladder:
+        assert plan.stream_of == serialize_hot(full, g, share).stream_of
+    assert {tuple(serialize_hot(full, g, s).stream_of) for s in SERIALIZE_SHARES} == \
+           {tuple(plan.stream_of) for _, plan in ladder}
+    assert len(ladder) < len(SERIALIZE_SHARES)            # GoogLeNet's profile has repeats
     assert serialize_hot(full, g, 0.0).num_streams == 1
     assert serialize_hot(full, g, 1.0).num_streams == full.num_streams
     with pytest.raises(ValueError, match="share"):
@@ -375,6 +384,9 @@ def test_memory_limit_keeps_the_capture_that_fitted(monkeypatch):
     fast._fit_memory(1.2)
     assert fast.stats.graph_pool_bytes == 150 << 20 and fast._cuda_graph is graphs[1]
     assert [x for x in graphs if not x.released] == [graphs[1]]
+
+
+def test_memory_limit_must_be_positive():
     m = torchvision.models.googlenet(aux_logits=False, init_weights=True).eval()
     with pytest.raises(NimbleError, match="memory_limit"):
         Nimble(m).prepare(torch.randn(1, 3, 64, 64), memory_limit=0)
