@@ -23,6 +23,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from nimble.cudagraph import capture_graph
+
 from .base import Availability, Backend, BackendUnavailable, register_backend
 from .onnx_backends import export_onnx
 from .torch_backends import WARMUP_ITERS, static_graph_fn
@@ -139,7 +141,7 @@ class TensorRTBackend(Backend):
                 context.execute_async_v3(stream.cuda_stream)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        with capture_graph(graph, stream=stream):
             context.execute_async_v3(stream.cuda_stream)
         outputs = static_out[0] if len(static_out) == 1 else tuple(static_out)
         run = static_graph_fn(graph, tuple(static_in), outputs)

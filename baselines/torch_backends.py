@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from nimble.cudagraph import capture_graph, gc_paused
+
 from .base import Availability, Backend, BackendUnavailable, register_backend
 
 __all__ = [
@@ -206,7 +208,8 @@ class CudaGraphBackend(Backend):
         if training:
             model.train()
             sample = tuple(x.detach().clone().requires_grad_(x.requires_grad) for x in example_inputs)
-            return torch.cuda.make_graphed_callables(model, sample, num_warmup_iters=WARMUP_ITERS)
+            with gc_paused():
+                return torch.cuda.make_graphed_callables(model, sample, num_warmup_iters=WARMUP_ITERS)
         model.eval()
         static_inputs = tuple(x.detach().clone() for x in example_inputs)
         side = torch.cuda.Stream()
@@ -216,7 +219,7 @@ class CudaGraphBackend(Backend):
                 model(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):  # captures on its own side stream
+        with torch.no_grad(), capture_graph(graph):  # captures on its own side stream
             static_outputs = model(*static_inputs)
         return static_graph_fn(graph, static_inputs, static_outputs)
 
@@ -245,7 +248,7 @@ class CudaGraphBackend(Backend):
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         optimizer.zero_grad(set_to_none=True)   # grads are allocated inside the graph
-        with torch.cuda.graph(graph):
+        with capture_graph(graph):
             static_loss = loss_fn(model(x), y)
             static_loss.backward()
             optimizer.step()

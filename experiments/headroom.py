@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from nimble.cudagraph import capture_graph
+
 from .cli import int_list, model_list
 from .env import environment, gpu_slug, host_load
 from .store import append_table_row
@@ -49,7 +51,7 @@ def capture_copies(models: Sequence[nn.Module], inputs: Sequence[torch.Tensor],
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
+    with capture_graph(graph), torch.no_grad():
         main_stream = torch.cuda.current_stream()
         for model, x, stream in zip(models, inputs, streams):
             if parallel:

@@ -56,6 +56,7 @@ from .graph import TaskGraph
 from .memplan import lifetimes, live_bytes
 from .convsel import select_conv_kernels
 from .convsel import summarize as summarize_conv_choices
+from .cudagraph import capture_graph
 from .fusion import (ConvReluFusion, FusedRun, FusionMismatchError, find_conv_relu,
                      with_fusion_edges)
 from .fusion import summarize as summarize_fusions
@@ -724,7 +725,7 @@ class Nimble:
         origin = self._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
         if capture is not None:
-            with torch.cuda.graph(capture, stream=origin):
+            with capture_graph(capture, stream=origin):
                 return self._scheduled_forward(grad)
         # Host syncs the trace cannot see (printing a tensor runs with dispatch modes
         # disabled) would break capture: make any synchronizing CUDA call an error here,
@@ -759,7 +760,7 @@ class Nimble:
     def _run_step_captured(self, graph: torch.cuda.CUDAGraph, body: Callable[[], Any]) -> Any:
         origin = self._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(graph, stream=origin):
+        with capture_graph(graph, stream=origin):
             for s in self._streams[1:]:
                 s.wait_stream(origin)
             out = body()
@@ -819,7 +820,7 @@ class Nimble:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             origin = self._streams[0]
-            with torch.cuda.graph(g, stream=origin):
+            with capture_graph(g, stream=origin):
                 start.record(origin)
                 self._scheduled_forward(grad=False, timing_events=events)
             samples = []
@@ -961,7 +962,7 @@ def _event_gap_ms(stream: torch.cuda.Stream, count: int = 101) -> float:
     """
     events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(count)]
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
+    with capture_graph(g, stream=stream):
         for e in events:
             e.record(stream)
     gaps = []

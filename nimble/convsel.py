@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from .cudagraph import capture_graph
 from .trace import as_tuple
 
 __all__ = ["ConvChoice", "NativeConv2d", "select_conv_kernels", "cudnn_disabled", "race_calls",
@@ -86,7 +87,7 @@ def _graph_of_calls(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture_graph(graph):
         for _ in range(calls):
             fn()
     return graph

@@ -43,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from tqdm import tqdm
 
 from .capture import check_call_inputs
+from .cudagraph import capture_graph
 from .streams import assign_streams
 from .trace import as_tuple
 
@@ -240,7 +241,7 @@ class InductorNimble:
         if self._cuda:
             self._graph = torch.cuda.CUDAGraph()
             origin.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.graph(self._graph, stream=origin):
+            with capture_graph(self._graph, stream=origin):
                 self._static_outputs = self._run()
         self.stats = {"segments": len(self.segments), "compiled_segments": compiled,
                       "streams": self.num_streams, "freeze": freeze,

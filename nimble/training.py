@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .allocator import GraphMemoryMeter, measure_eager_peak
 from .graph import TaskGraph
+from .cudagraph import capture_graph
 from .capture import AUTO_ONE_STREAM_NOTE, check_call_inputs, compare_streams
 from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
@@ -311,7 +312,7 @@ class TrainingCapture:
         self.backward_graph = torch.cuda.CUDAGraph()
         origin = nb._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(self.backward_graph, pool=self.forward_graph.pool(), stream=origin):
+        with capture_graph(self.backward_graph, pool=self.forward_graph.pool(), stream=origin):
             for s in nb._streams[1:]:
                 s.wait_stream(origin)
             _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from nimble.allocator import GraphMemoryMeter
+from nimble.cudagraph import capture_graph
 from nimble.capture import check_allocator, check_call_inputs, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
@@ -96,7 +97,7 @@ class GraphStep:
         torch.cuda.reset_peak_memory_stats(device)
         meter = GraphMemoryMeter()    # synchronises and empties the cache first
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=warmup_stream(device)):
+        with capture_graph(self.graph, stream=warmup_stream(device)):
             self.static_loss = step(self.static_batch, True)
         torch.cuda.synchronize(device)
         self.peak_bytes = torch.cuda.max_memory_allocated(device)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble.capture import _event_gap_ms, replay_ms
+from nimble.cudagraph import capture_graph
 from nimble.graph import OpNode, TaskGraph
 
 from .fused import batch_norm_act
@@ -100,7 +101,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     start = torch.cuda.Event(enable_timing=True, external=True)
     marks = _EventAfterEachOp(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with capture_graph(graph, stream=side):
         start.record()
         with marks:
             training_step(model, optimizer, batch, loss_fn)
@@ -260,7 +261,7 @@ def _graph_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()                            # lazy init (cuDNN handles) outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    with capture_graph(graph, stream=side):
         for _ in range(repeats):
             fn()
     ms = replay_ms(graph, 3) / repeats
