@@ -940,14 +940,19 @@ def check_allocator(num_streams: int, training: bool) -> None:
     at batch 1 and 32): :meth:`ScheduledMode.join` frees what it still holds before the
     side streams are joined. Before it did, the frees came after the join and the capture
     aborted the process (``cudaFreeAsync`` of a captured allocation: invalid argument,
-    which no ``except`` can catch). Training captures (backward on side streams, the
-    optimizer) have not been run under that backend, so they are refused rather than risked.
+    which no ``except`` can catch). Training captures (backward on side streams) still fail
+    there: with this refusal lifted, ``tests/test_nimble_training_gpu.py`` under
+    ``cudaMallocAsync`` (H200, torch 2.11) failed its first three multi-stream tests and then
+    aborted the process in ``cudaFreeAsync`` (invalid argument) while capturing the fourth,
+    after warnings that the capture freed allocations made before it ("freeAsync() was
+    called on an uncaptured allocation during graph capture"). So they are refused.
     """
     if training and num_streams > 1 and allocator_backend() == "cudaMallocAsync":
         raise NimbleError(
             f"a {num_streams}-stream training capture is not supported under "
-            "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (not run there yet: inference "
-            "captures are). Use the default (native) allocator, or use_multi_stream=False.")
+            "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (tried: the capture fails and can "
+            "abort the process; inference captures work). Use the default (native) allocator, "
+            "or use_multi_stream=False.")
 
 
 # CUDA stream priorities: lower is more urgent; the valid range is the device's (torch maps a
