@@ -217,7 +217,7 @@ def test_select_convs_keeps_the_faster_whole_graph(monkeypatch):
 
 
 def test_only_multi_stream_training_is_refused_under_cuda_malloc_async(monkeypatch):
-    """Inference captures run under cudaMallocAsync (measured); training ones were not run."""
+    """Inference captures run under cudaMallocAsync; multi-stream training ones fail there (measured)."""
     import nimble.capture as capture
     from nimble.capture import check_allocator
     monkeypatch.setattr(capture, "allocator_backend", lambda: "cudaMallocAsync")
