@@ -5,6 +5,7 @@ in child processes, with plain ``torch.cuda.graph`` and with ``capture_graph``: 
 graph in a reference cycle collected during another capture, and a thread pinning host
 memory (as a ``DataLoader(pin_memory=True)`` does) during a capture.
 """
+import ast
 import contextlib
 import gc
 import json
@@ -92,6 +93,31 @@ def test_dead_cycles_are_not_collected_inside_but_are_after(gc_enabled):
         assert alive() is None
     finally:
         gc.set_threshold(*old)
+
+
+def test_every_capture_of_the_project_goes_through_capture_graph():
+    """A plain ``torch.cuda.graph(...)`` (or ``make_graphed_callables`` outside ``gc_paused``)
+    anywhere in the packages would bring both hazards back."""
+    root = Path(__file__).resolve().parents[1]
+    plain, unguarded = [], []
+    for package in ("nimble", "tensile", "baselines", "experiments"):
+        for path in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            guarded = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.With) and any(
+                        ast.unparse(item.context_expr) == "gc_paused()" for item in node.items):
+                    guarded |= {id(n) for n in ast.walk(node)}
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = ast.unparse(node.func)
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                if name == "torch.cuda.graph" and path.name != "cudagraph.py":
+                    plain.append(where)
+                if name.endswith("make_graphed_callables") and id(node) not in guarded:
+                    unguarded.append(where)
+    assert plain == [] and unguarded == [], (plain, unguarded)
 
 
 def _run_child(script, variant):
