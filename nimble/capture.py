@@ -66,8 +66,8 @@ from .streams import (StreamPlan, assign_streams, critical_path, critical_stream
                       single_stream_plan)
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
-__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator", "check_call_inputs",
-           "fold_tiny_isolated_ops"]
+__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator",
+           "check_call_inputs", "check_one_device", "fold_tiny_isolated_ops"]
 
 
 class NimbleError(RuntimeError):
@@ -681,9 +681,7 @@ class Nimble:
         if any(d.type != "cuda" for d in devices):
             raise NimbleError(f"the module has parameters or buffers on {sorted(map(str, devices))}; "
                               "move it to the GPU first (model.cuda())")
-        if len(devices | {x.device for x in inputs}) > 1:
-            raise NimbleError(f"module and inputs must be on one CUDA device; found "
-                              f"{sorted(map(str, devices | {x.device for x in inputs}))}")
+        check_one_device(devices | {x.device for x in inputs}, torch.cuda.current_device())
         if self.module.training and not training:
             raise NimbleError("the module is in training mode; inference capture needs "
                               "model.eval() (BatchNorm statistics, dropout), or use "
@@ -915,6 +913,24 @@ def streams_note(streams: int, t_multi: float, t_single: float, rounds: int, rep
     return (f"use_multi_stream='auto': {streams} streams {t_multi:.3f} ms, one stream "
             f"{t_single:.3f} ms{per} (median of {rounds} x {replays} replays): "
             + ("kept the streams" if t_multi < t_single else "kept one stream"))
+
+
+def check_one_device(devices: set[torch.device], current: int) -> None:
+    """Refuse a module and inputs that are not all on one CUDA device, or on another device
+    than the current one (``current``, an index): Nimble creates its streams and captures on
+    the current device, so work on another would not be captured (multi-GPU hosts: select
+    the device first)."""
+    if len(devices) > 1:
+        raise NimbleError(f"module and inputs must be on one CUDA device; found "
+                          f"{sorted(map(str, devices))}")
+    (device,) = devices
+    index = current if device.index is None else device.index
+    if index != current:
+        raise NimbleError(
+            f"module and inputs are on {device}, but the current CUDA device is cuda:{current}: "
+            f"Nimble creates its streams and captures on the current device. Call "
+            f"torch.cuda.set_device({index}) first, or prepare inside "
+            f"`with torch.cuda.device({index}):`.")
 
 
 def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[Any]) -> None:

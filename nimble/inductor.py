@@ -42,7 +42,7 @@ from torch._inductor import config as inductor_config
 from torch.fx.experimental.proxy_tensor import make_fx
 from tqdm import tqdm
 
-from .capture import check_call_inputs
+from .capture import check_call_inputs, check_one_device
 from .cudagraph import capture_graph
 from .streams import assign_streams
 from .trace import as_tuple
@@ -224,6 +224,10 @@ class InductorNimble:
                 seg.fn = torch.compile(seg.fn, backend=backend, fullgraph=True, dynamic=False)
                 compiled += 1
         self._cuda = inputs[0].is_cuda
+        if self._cuda:
+            check_one_device({t.device for t in (*inputs, *self.module.parameters(),
+                                                 *self.module.buffers())},
+                             torch.cuda.current_device())
         self._static_inputs = tuple(x.detach().clone() for x in inputs)
         t0 = time.perf_counter()
         if self._cuda:

@@ -532,3 +532,15 @@ def test_span_bytes_counts_overlapping_ranges_once():
     from nimble.allocator import span_bytes
     assert span_bytes([]) == 0
     assert span_bytes([(100, 50), (0, 10), (120, 10), (140, 20), (200, 1)]) == 10 + 60 + 1
+
+
+def test_one_device_and_the_current_one_are_required():
+    """Nimble's streams and capture are on the current device: a model on another GPU must
+    say so before anything runs (torch.device objects need no GPU)."""
+    from nimble.capture import check_one_device
+    check_one_device({torch.device("cuda:1")}, current=1)
+    check_one_device({torch.device("cuda")}, current=3)       # no index: the current device
+    with pytest.raises(NimbleError, match=r"on cuda:1, but the current CUDA device is cuda:0.*set_device\(1\)"):
+        check_one_device({torch.device("cuda:1")}, current=0)
+    with pytest.raises(NimbleError, match="one CUDA device"):
+        check_one_device({torch.device("cuda:0"), torch.device("cuda:1")}, current=0)
