@@ -281,9 +281,9 @@ def test_5000_node_graph_under_two_seconds():
 
 def test_width_of_1500_nodes_is_fast():
     edges = nasnet_like(1500, seed=3)
-    t0 = time.perf_counter()
+    t0 = time.process_time()          # CPU time: other work on a shared CI host does not count
     width = max_antichain_width(1500, edges)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     assert 1 <= width <= assign_streams(1500, edges).num_streams
 
 
