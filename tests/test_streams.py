@@ -283,9 +283,9 @@ def test_width_of_1500_nodes_is_fast():
     edges = nasnet_like(1500, seed=3)
     # The closure's matching graph has ~900k edges; building it in networkx is most of the
     # time this takes on the 2-core CI host (under 2 s on earlier days, 2.3-2.6 s on 2026-12-02).
-    # The check is against a blow-up
-    # (SciPy's matching took minutes on such graphs, see nimble.streams._matching), with room
-    # for hosts that are slower on the day. CPU time: other work on the host does not count.
+    # The check is against a blow-up (SciPy's matching took minutes on such graphs, see
+    # nimble.streams._matching), with room for slower hosts. CPU time: other work on the host
+    # does not count.
     t0 = time.process_time()
     width = max_antichain_width(1500, edges)
     assert time.process_time() - t0 < 6.0
