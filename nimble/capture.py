@@ -959,7 +959,7 @@ def check_allocator(num_streams: int, training: bool) -> None:
     which no ``except`` can catch). Training captures (backward on side streams) still fail
     there: with this refusal lifted, ``tests/test_nimble_training_gpu.py`` under
     ``cudaMallocAsync`` (H200, torch 2.11) failed its first three multi-stream tests and then
-    aborted the process in ``cudaFreeAsync`` (invalid argument) while capturing the fourth,
+    aborted the process in ``cudaFreeAsync`` (invalid argument) in the fourth,
     after warnings that the capture freed allocations made before it ("freeAsync() was
     called on an uncaptured allocation during graph capture"). So they are refused.
     """
