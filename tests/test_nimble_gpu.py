@@ -153,6 +153,25 @@ def test_wrong_call_inputs_are_rejected():
         fast(torch.randn(2, 8, device="cuda"), torch.randn(2, 8, device="cuda"))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_model_on_another_gpu_is_refused_until_that_gpu_is_current():
+    model = build_model("googlenet").to("cuda:1").eval()
+    x = example_input("googlenet", 1, "cuda:1")
+    with torch.cuda.device(0):
+        with pytest.raises(NimbleError, match=r"current CUDA device is cuda:0.*set_device\(1\)"):
+            Nimble(model).prepare(x)
+    with torch.cuda.device(1):
+        fast = Nimble(model).prepare(x, use_multi_stream=True)
+    assert fast.stats.num_streams > 1
+    with torch.no_grad():
+        ref = model(x)
+    for current in (1, 0):      # the graph replays on its own device, whichever is current
+        with torch.cuda.device(current):
+            assert rel_err(fast(x), ref) < TOL
+    with pytest.raises(NimbleError, match="cuda:0"):
+        fast(x.to("cuda:0"))
+
+
 def test_bad_prepare_arguments():
     with pytest.raises(NimbleError, match="move it to the GPU"):
         Nimble(nn.Linear(8, 4).eval()).prepare(torch.randn(2, 8, device="cuda"))
