@@ -182,22 +182,25 @@ class GraphMemoryMeter:
         """Whether :meth:`read` is only meaningful after the graph has been launched once."""
         return self.backend == "cudaMallocAsync"
 
-    def read(self, graph: torch.cuda.CUDAGraph | None = None) -> int:
+    def read(self, *graphs: torch.cuda.CUDAGraph) -> int:
         """Bytes the graph(s) hold now, relative to construction.
 
-        Under ``cudaMallocAsync``, pass the ``graph`` (captured with ``keep_graph=True``) to get
-        its own memory: the span of its allocation nodes' addresses (the driver gives
-        allocations whose lifetimes do not overlap in graph order the same addresses). The
-        driver's device-wide counter is no per-graph figure there: graphs that do not run at
-        once share physical pages, so a second graph of a process may add nothing to it
-        (measured on the H200; alone in its process a graph's counter was its span rounded up
-        to the driver's 32 MiB mapping, e.g. 320 MiB for a 301 MiB span).
+        Under ``cudaMallocAsync``, pass the ``graphs`` (captured with ``keep_graph=True``) to
+        get their own memory: the span of their allocation nodes' addresses (the driver gives
+        allocations whose lifetimes do not overlap in graph order the same addresses, and
+        fixes them at capture; overlaps between graphs are counted once). Without graphs it
+        is the driver's device-wide counter, which needs a launch first and is no per-graph
+        figure: graphs that do not run at once share physical pages, so a second graph of a
+        process may add nothing to it (measured on the H200; alone in its process a graph's
+        counter was its span rounded up to the driver's 32 MiB mapping, e.g. 320 MiB for a
+        301 MiB span).
         """
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved() - self._reserved
         if self.needs_launch:
-            if graph is not None:
-                return span_bytes(graph_alloc_ranges(graph)) + max(grown, 0)
+            if graphs:
+                ranges = [r for graph in graphs for r in graph_alloc_ranges(graph)]
+                return span_bytes(ranges) + max(grown, 0)
             grown += graph_memory_used() - self._graph
         return max(grown, 0)
 

@@ -408,7 +408,7 @@ class Nimble:
         out = self._run_scheduled(capture=cuda_graph)
         if meter.needs_launch:
             cuda_graph.replay()        # same static inputs: rewrites the static outputs only
-        self.stats.graph_pool_bytes = meter.read(cuda_graph if meter.needs_launch else None)
+        self.stats.graph_pool_bytes = meter.read(cuda_graph)
         self.stats.allocator = meter.backend
         self.stats.capture_s = time.perf_counter() - t0
         flat, self._out_spec = tree_flatten(out)

@@ -253,18 +253,19 @@ def _note_splits(stats, splitter: ConvBackwardSplitter | None) -> None:
                            f"over {len(splitter.side)} side stream(s)")
 
 
-def _record_graph_memory(stats, meter: GraphMemoryMeter) -> None:
-    """Store the captured graphs' memory in ``stats``; say so where it cannot be read yet.
+def _record_graph_memory(stats, meter: GraphMemoryMeter, *graphs: torch.cuda.CUDAGraph) -> None:
+    """Store the captured ``graphs``' memory in ``stats``.
 
     Under the cudaMallocAsync backend graph memory is mapped at the first launch, and
-    launching a training graph here would update the weights: the figure is then the
-    part known at capture, and a note says it is a lower bound.
+    launching a training graph here would update the weights. The graphs are then captured
+    with ``keep_graph=True`` and their memory is read off their allocation nodes, whose
+    addresses the driver fixes at capture (:meth:`GraphMemoryMeter.read`); they are
+    instantiated here.
     """
-    stats.graph_pool_bytes = meter.read()
+    stats.graph_pool_bytes = meter.read(*graphs)
     stats.allocator = meter.backend
-    if meter.needs_launch:
-        stats.notes.append("graph memory is a lower bound: under cudaMallocAsync it is "
-                           "mapped at the first replay")
+    for graph in graphs if meter.needs_launch else ():
+        graph.instantiate()
 
 
 class TrainingCapture:
@@ -303,20 +304,20 @@ class TrainingCapture:
             del out, flat
 
         meter = GraphMemoryMeter()
-        self.forward_graph = torch.cuda.CUDAGraph()
+        self.forward_graph = torch.cuda.CUDAGraph(keep_graph=meter.needs_launch)
         out = nb._run_scheduled(capture=self.forward_graph, grad=True)
         flat, nb._out_spec = tree_flatten(out)
         if not all(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
             raise ValueError("training capture: every output must be a tensor that requires grad")
         self.static_outputs = flat
-        self.backward_graph = torch.cuda.CUDAGraph()
+        self.backward_graph = torch.cuda.CUDAGraph(keep_graph=meter.needs_launch)
         origin = nb._streams[0]
         origin.wait_stream(torch.cuda.current_stream())
         with capture_graph(self.backward_graph, pool=self.forward_graph.pool(), stream=origin):
             for s in nb._streams[1:]:
                 s.wait_stream(origin)
             _backward_on_streams(flat, self.static_grad_outputs, nb._streams, self.splitter)
-        _record_graph_memory(nb.stats, meter)
+        _record_graph_memory(nb.stats, meter, self.forward_graph, self.backward_graph)
         _note_splits(nb.stats, self.splitter)
         nb.stats.capture_s = time.perf_counter() - start
         # The captured outputs keep their autograd history (saved activations live in the
@@ -422,9 +423,9 @@ class WholeStep:
         # Gradients are created inside the graph (AccumulateGrad takes the new buffer).
         self.optimizer.zero_grad(set_to_none=True)
         meter = GraphMemoryMeter()
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph = torch.cuda.CUDAGraph(keep_graph=meter.needs_launch)
         self.static_loss = nb._run_step_captured(self.graph, self._step_body)
-        _record_graph_memory(nb.stats, meter)
+        _record_graph_memory(nb.stats, meter, self.graph)
         _note_splits(nb.stats, self.splitter)
         nb.stats.capture_s = time.perf_counter() - start
 
