@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from experiments.store import COLUMNS, KEY_COLUMNS, row_allocator
 
 __all__ = [
-    "load_rows", "speedups", "claim_verdicts", "latency_table", "speedup_table", "paper_comparison",
+    "load_rows", "speedups", "claim_verdicts", "concurrency_ceiling", "latency_table", "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_tradeoff",
@@ -444,15 +444,51 @@ def _verdict(df: pd.DataFrame, claim: pd.Series,
     return ours, "reproduced" if met else "not reproduced", note
 
 
+def concurrency_ceiling(headroom: pd.DataFrame | None, model: str,
+                        batch_size: int) -> tuple[float, int] | None:
+    """(overlap, K) of the best-overlapping K independent copies of ``model`` on K streams at
+    ``batch_size`` (:func:`headroom_table`), or None if not measured. A measured ceiling, not
+    a proof: one model's branches are fewer, shorter and more unequal than K whole copies, so
+    a multi-stream schedule of it gains less; once more copies stop adding overlap the GPU is
+    full."""
+    if headroom is None:
+        return None
+    rows = headroom[(headroom["model"] == model) & (headroom["batch_size"] == batch_size)]
+    if rows.empty:
+        return None
+    best = rows.loc[rows["overlap"].idxmax()]
+    return float(best["overlap"]), int(best["copies"])
+
+
+def _with_ceiling(claim: pd.Series, verdict: str, note: str,
+                  headroom: pd.DataFrame | None) -> tuple[str, str]:
+    """A multi-stream claim (baseline ``nimble-single``) gets the GPU's measured ceiling in its
+    note, and a verdict that says so when the target lies above it."""
+    if claim["baseline"] != "nimble-single" or claim["comparison"] != ">=":
+        return verdict, note
+    ceiling = concurrency_ceiling(headroom, claim["model"], int(claim["batch_size"]))
+    if ceiling is None:
+        return verdict, note
+    overlap, k = ceiling
+    note += f"; ceiling {overlap:.2f}x: {k} independent copies on {k} streams (headroom.csv)"
+    if overlap < float(claim["value"]) and verdict not in ("reproduced", "not measured"):
+        verdict += " (ceiling below target)"
+    return verdict, note
+
+
 def claim_verdicts(df: pd.DataFrame, claims: pd.DataFrame,
-                   runs: pd.DataFrame | None = None) -> pd.DataFrame:
+                   runs: pd.DataFrame | None = None,
+                   headroom: pd.DataFrame | None = None) -> pd.DataFrame:
     """One line per claim: the paper's figure, ours (the latest run), and reproduced / not
     reproduced / not measured. With ``runs`` (``load_rows(..., every_run=True)``), a speedup
     claim is reproduced only if every run that measured it meets it ("in k of n runs" when
-    some do), and the note gives the spread."""
+    some do), and the note gives the spread. With ``headroom`` (:func:`headroom_table`), a
+    multi-stream claim's note gives the GPU's concurrency ceiling at its batch size
+    (:func:`concurrency_ceiling`) and its verdict says when the target lies above it."""
     out = []
     for _, c in claims.iterrows():
         ours, verdict, note = _verdict(df, c, runs)
+        verdict, note = _with_ceiling(c, verdict, note, headroom)
         unit = " s" if c["metric"] == "max_prepare_s" else "x"
         out.append({"claim": c["claim_id"], "text": c["text"], "setting": c["setting"],
                     "paper": f"{c['comparison']} {float(c['value']):g}{unit}",
@@ -1317,7 +1353,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "(at most, for `<=`) in every run that measured it, each ratio within one process "
                "(\"in k of n runs\" when only some do: ratios over eager move with the host's "
                "CPU); ours = the latest run. Not measured: the reason is given.", "",
-               md_table(claim_verdicts(df, claims, load_rows(gpu_dir, every_run=True))), ""]
+               md_table(claim_verdicts(df, claims, load_rows(gpu_dir, every_run=True), headroom)), ""]
 
     figures: dict[str, Figure | None] = {}
     for exp, mode, batch in settings(df):

@@ -216,17 +216,31 @@ def test_select_convs_keeps_the_faster_whole_graph(monkeypatch):
         assert fast.stats.notes[-1].endswith("kept the selection" if kept == "selected" else "kept cuDNN")
 
 
-def test_only_multi_stream_training_is_refused_under_cuda_malloc_async(monkeypatch):
-    """Inference captures run under cudaMallocAsync; multi-stream training ones fail there (measured)."""
+def test_whole_step_and_multi_stream_training_are_refused_under_cuda_malloc_async(monkeypatch):
+    """Inference and single-stream fwd-bwd captures run under cudaMallocAsync; whole-step
+    and multi-stream training ones fail there (measured)."""
     import nimble.capture as capture
     from nimble.capture import check_allocator
     monkeypatch.setattr(capture, "allocator_backend", lambda: "cudaMallocAsync")
     with pytest.raises(NimbleError, match="3-stream training capture"):
         check_allocator(3, training=True)
+    with pytest.raises(NimbleError, match="prepare_step .* not supported"):
+        check_allocator(1, training=True, whole_step=True)
     check_allocator(3, training=False)
-    check_allocator(1, training=True)                 # one stream: no cross-stream frees
+    check_allocator(1, training=True)                 # one stream fwd-bwd: works there
     monkeypatch.setattr(capture, "allocator_backend", lambda: "native")
     check_allocator(3, training=True)
+    check_allocator(3, training=True, whole_step=True)
+
+
+def test_prepare_step_is_refused_under_cuda_malloc_async_before_anything_runs(monkeypatch):
+    import nimble.capture as capture
+    monkeypatch.setattr(capture, "allocator_backend", lambda: "cudaMallocAsync")
+    model = nn.Linear(4, 2)      # on the CPU: the allocator refusal comes before any check
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NimbleError, match="cudaMallocAsync"):
+        Nimble(model).prepare_step(torch.randn(2, 4), torch.zeros(2, dtype=torch.long),
+                                   nn.functional.cross_entropy, opt)
 
 
 class _LoggedStream:

@@ -104,6 +104,25 @@ def test_a_claim_over_several_modes_takes_the_fastest_and_names_it(results):
     assert none["verdict"] == "not measured" and "torch_tensorrt is not installed" in none["note"]
 
 
+def test_a_multi_stream_claim_says_when_its_target_lies_above_the_gpus_ceiling(results):
+    df = report.load_rows(results / "h200")
+    headroom = pd.DataFrame({"model": ["resnet50"] * 3, "batch_size": [1, 1, 32],
+                             "copies": [2, 4, 4], "overlap": [1.30, 1.40, 1.01]})
+    claim = dict(backend="nimble", baseline="nimble-single")          # 0.95 / 0.9 = 1.06x
+    above = report.claim_verdicts(df, one_claim(value=1.5, **claim), headroom=headroom).iloc[0]
+    assert above["verdict"] == "not reproduced (ceiling below target)"
+    assert above["note"].endswith("; ceiling 1.40x: 4 independent copies on 4 streams (headroom.csv)")
+    under = report.claim_verdicts(df, one_claim(value=1.35, **claim), headroom=headroom).iloc[0]
+    assert under["verdict"] == "not reproduced" and "ceiling 1.40x" in under["note"]
+    met = report.claim_verdicts(df, one_claim(value=1.05, **claim), headroom=headroom).iloc[0]
+    assert met["verdict"] == "reproduced"
+    unmeasured = headroom[headroom["batch_size"] == 32]
+    plain = report.claim_verdicts(df, one_claim(value=1.5, **claim), headroom=unmeasured).iloc[0]
+    assert plain["verdict"] == "not reproduced" and "ceiling" not in plain["note"]
+    over_eager = report.claim_verdicts(df, one_claim(value=9.0), headroom=headroom).iloc[0]
+    assert "ceiling" not in over_eager["note"]          # only claims against one stream
+
+
 def test_unavailable_backend_reason_reaches_the_verdict(results):
     df = report.load_rows(results / "h200")
     claim = one_claim(claim_id="trt", text="x", baseline="tensorrt", value=1.2)
