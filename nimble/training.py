@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .allocator import GraphMemoryMeter, measure_eager_peak
+from .allocator import GraphMemoryMeter, allocator_backend, measure_eager_peak
 from .graph import TaskGraph
 from .cudagraph import capture_graph
 from .capture import AUTO_ONE_STREAM_NOTE, check_call_inputs, compare_streams
@@ -160,9 +160,15 @@ def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]
     """Run autograd's backward from the origin stream (the current one) and join it back.
 
     With several streams, tensors the backward touches stay alive until every side stream
-    has been joined into the origin stream: only then may their blocks be reused.
+    has been joined into the origin stream: only then may their blocks be reused. Under the
+    ``cudaMallocAsync`` backend a free is itself stream-ordered work (a graph node on the
+    stream that allocated the tensor), so there the side streams are forked once more after
+    the join, the kept tensors are freed (each free after every use), and the side streams
+    are joined again: a free after the last join is work the capture never joined, and
+    ending the capture fails ("capturing stream has unjoined work").
     """
     origin = streams[0]
+    sides = streams[1:]
     several = len(streams) > 1 or splitter is not None
     keep = _KeepAlive() if several else contextlib.nullcontext()
     split = splitter if splitter is not None else contextlib.nullcontext()
@@ -171,7 +177,14 @@ def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]
     with keep:                  # outer mode: it also sees the calls the splitter makes
         with split:
             torch.autograd.backward(outputs, grad_outputs)
-        for s in [*streams[1:], *(splitter.side_streams() if splitter else [])]:
+        sides = [*sides, *(splitter.side_streams() if splitter else [])]
+        for s in sides:
+            origin.wait_stream(s)
+    if several and allocator_backend() == "cudaMallocAsync":
+        for s in sides:
+            s.wait_stream(origin)
+        keep.kept.clear()
+        for s in sides:
             origin.wait_stream(s)
 
 
