@@ -66,7 +66,7 @@ from .streams import (StreamPlan, assign_streams, critical_path, critical_stream
                       single_stream_plan)
 from .trace import OpRecorder, TraceMismatchError, _tensors, as_tuple, trace_graph
 
-__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_allocator",
+__all__ = ["Nimble", "NimbleError", "ScheduledMode", "PrepareStats", "check_whole_step_allocator",
            "check_call_inputs", "check_one_device", "fold_tiny_isolated_ops"]
 
 
@@ -614,7 +614,7 @@ class Nimble:
         from .training import WholeStep, faster_whole_step
 
         check_stream_choice(use_multi_stream)
-        check_allocator(1, training=True, whole_step=True)
+        check_whole_step_allocator()
         start = time.perf_counter()
         inputs = self._check_prepare_args(dummy_input, training=True)
         if not isinstance(dummy_target, torch.Tensor) or not dummy_target.is_cuda:
@@ -653,7 +653,6 @@ class Nimble:
         t0 = time.perf_counter()
         self.plan = self._make_plan(graph, self._use_multi_stream, self._max_streams)
         self.stats.plan_s = time.perf_counter() - t0
-        check_allocator(self.plan.num_streams, training)
         self.stats.num_ops, self.stats.num_view_ops = graph.num_nodes, graph.num_view_ops
         self.stats.num_edges = len(graph.edges)
         self.stats.num_streams, self.stats.num_syncs = self.plan.num_streams, len(self.plan.syncs)
@@ -950,39 +949,31 @@ def check_call_inputs(static_inputs: Sequence[torch.Tensor], inputs: Sequence[An
                 f"capture another one (a new Nimble object, or tensile's capture) for other shapes.")
 
 
-def check_allocator(num_streams: int, training: bool, whole_step: bool = False) -> None:
-    """Refuse the training captures that fail under the ``cudaMallocAsync`` backend: every
-    whole-step capture (``prepare_step``), and fwd-bwd captures on several streams.
+def check_whole_step_allocator() -> None:
+    """Refuse a whole-step training capture (Nimble's ``prepare_step``, TENSILE's
+    :class:`tensile.graph.GraphStep`) under the ``cudaMallocAsync`` backend, the one kind
+    of capture that fails there.
 
     Inference captures work there (measured on an H200, torch 2.11, seven multi-branch nets
     at batch 1 and 32): :meth:`ScheduledMode.join` frees what it still holds before the
     side streams are joined. Before it did, the frees came after the join and the capture
     aborted the process (``cudaFreeAsync`` of a captured allocation: invalid argument,
-    which no ``except`` can catch). Single-stream fwd-bwd captures work too (MobileNetV2 and
-    EfficientNet-B0, SGD and Adam: updates equal eager's, and a garbage collection after
-    them is clean). Measured failures there (H200, torch 2.11), so refused:
+    which no ``except`` can catch). Fwd-bwd training captures work there too, on one
+    stream and on several (MobileNetV2, EfficientNet-B0 and ResNet-50, SGD and Adam, with
+    and without the convolution-backward split: updates equal eager's, and a garbage
+    collection after them is clean), since the backward frees what it kept between two
+    joins of the side streams (:func:`nimble.training._backward_on_streams`); before, the
+    first multi-stream capture failed with "capturing stream has unjoined work".
 
-    * a whole-step capture, even on one stream (MobileNetV2, SGD, run alone): the process
-      aborts with an illegal memory access when a tensor is freed after the capture;
-    * fwd-bwd on several streams (backward on side streams): with this refusal lifted,
-      ResNet-50 with SGD failed its first test, after warnings that the capture freed
-      allocations made before it ("freeAsync() was called on an uncaptured allocation
-      during graph capture"), and a later test aborted the process in ``cudaFreeAsync``.
+    A whole-step capture fails there even on one stream (MobileNetV2, SGD, run alone): the
+    process aborts with an illegal memory access when a tensor is freed after the capture.
     """
-    if allocator_backend() != "cudaMallocAsync" or not training:
-        return
-    if whole_step:
+    if allocator_backend() == "cudaMallocAsync":
         raise NimbleError(
-            "prepare_step (a whole-step training capture) is not supported under "
-            "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (tried: the process aborts with an "
-            "illegal memory access after the capture). Use the default (native) allocator, "
-            "or prepare(training=True) on one stream.")
-    if num_streams > 1:
-        raise NimbleError(
-            f"a {num_streams}-stream training capture is not supported under "
-            "PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (tried: the capture fails and can "
-            "abort the process; inference captures work). Use the default (native) allocator, "
-            "or use_multi_stream=False.")
+            "a whole-step training capture (Nimble's prepare_step, TENSILE's captured step) "
+            "is not supported under PYTORCH_ALLOC_CONF=backend:cudaMallocAsync (tried: the "
+            "process aborts with an illegal memory access after the capture). Use the "
+            "default (native) allocator, or Nimble's prepare(training=True).")
 
 
 # CUDA stream priorities: lower is more urgent; the valid range is the device's (torch maps a

@@ -273,7 +273,7 @@ def _record_graph_memory(stats, meter: GraphMemoryMeter, *graphs: torch.cuda.CUD
     launching a training graph here would update the weights. The fwd-bwd graphs are then
     captured with ``keep_graph=True`` and their memory is read off their allocation nodes,
     whose addresses the driver fixes at capture (:meth:`GraphMemoryMeter.read`); they are
-    instantiated here. (Whole-step captures are refused there: :func:`check_allocator`.)
+    instantiated here. (Whole-step captures are refused there: :func:`nimble.capture.check_whole_step_allocator`.)
     """
     stats.graph_pool_bytes = meter.read(*graphs)
     stats.allocator = meter.backend
@@ -436,7 +436,7 @@ class WholeStep:
         # Gradients are created inside the graph (AccumulateGrad takes the new buffer).
         self.optimizer.zero_grad(set_to_none=True)
         meter = GraphMemoryMeter()
-        self.graph = torch.cuda.CUDAGraph()     # not under cudaMallocAsync: check_allocator
+        self.graph = torch.cuda.CUDAGraph()     # not under cudaMallocAsync: check_whole_step_allocator
         self.static_loss = nb._run_step_captured(self.graph, self._step_body)
         _record_graph_memory(nb.stats, meter)
         _note_splits(nb.stats, self.splitter)

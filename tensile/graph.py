@@ -31,7 +31,7 @@ from torch import nn
 
 from nimble.allocator import GraphMemoryMeter
 from nimble.cudagraph import capture_graph
-from nimble.capture import check_allocator, check_call_inputs, replay_ms
+from nimble.capture import check_call_inputs, check_whole_step_allocator, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
 from .streams import side_stream
@@ -66,8 +66,7 @@ class GraphStep:
     """
 
     def __init__(self, step: StepFn, batch: Sequence[torch.Tensor], model: nn.Module,
-                 optimizer: torch.optim.Optimizer, *, warmup: int = 1, streams: int = 1) -> None:
-        """``streams``: how many CUDA streams ``step`` uses (TENSILE's copies use two more)."""
+                 optimizer: torch.optim.Optimizer, *, warmup: int = 1) -> None:
         check_capturable(optimizer)
         device = next(model.parameters()).device
         if device.type != "cuda":
@@ -78,7 +77,7 @@ class GraphStep:
             if not isinstance(t, torch.Tensor) or t.device != device:
                 got = t.device if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"batch element {i}: expected a tensor on {device}, got {got}")
-        check_allocator(streams, training=True)
+        check_whole_step_allocator()
         self.model, self.optimizer = model, optimizer
         self.static_batch = tuple(t.detach().clone() for t in batch)
         saved = save_step_state(model, optimizer)
