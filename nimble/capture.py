@@ -967,6 +967,8 @@ def check_whole_step_allocator() -> None:
 
     A whole-step capture fails there even on one stream (MobileNetV2, SGD, run alone): the
     process aborts with an illegal memory access when a tensor is freed after the capture.
+    TENSILE's captured step is the same kind of capture (the optimizer inside the graph); it
+    was not tried there and is refused for the same reason.
     """
     if allocator_backend() == "cudaMallocAsync":
         raise NimbleError(
