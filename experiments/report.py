@@ -27,7 +27,8 @@ from matplotlib.figure import Figure
 from experiments.store import COLUMNS, KEY_COLUMNS, row_allocator
 
 __all__ = [
-    "load_rows", "speedups", "claim_verdicts", "concurrency_ceiling", "latency_table", "speedup_table", "paper_comparison",
+    "load_rows", "speedups", "claim_verdicts", "concurrency_ceiling", "latency_table",
+    "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_tradeoff",

@@ -168,7 +168,6 @@ def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]
     ending the capture fails ("capturing stream has unjoined work").
     """
     origin = streams[0]
-    sides = streams[1:]
     several = len(streams) > 1 or splitter is not None
     keep = _KeepAlive() if several else contextlib.nullcontext()
     split = splitter if splitter is not None else contextlib.nullcontext()
@@ -177,7 +176,7 @@ def _backward_on_streams(outputs, grad_outputs, streams: list[torch.cuda.Stream]
     with keep:                  # outer mode: it also sees the calls the splitter makes
         with split:
             torch.autograd.backward(outputs, grad_outputs)
-        sides = [*sides, *(splitter.side_streams() if splitter else [])]
+        sides = [*streams[1:], *(splitter.side_streams() if splitter else [])]
         for s in sides:
             origin.wait_stream(s)
     if several and allocator_backend() == "cudaMallocAsync":
@@ -273,12 +272,14 @@ def _record_graph_memory(stats, meter: GraphMemoryMeter, *graphs: torch.cuda.CUD
     launching a training graph here would update the weights. The fwd-bwd graphs are then
     captured with ``keep_graph=True`` and their memory is read off their allocation nodes,
     whose addresses the driver fixes at capture (:meth:`GraphMemoryMeter.read`); they are
-    instantiated here. (Whole-step captures are refused there: :func:`nimble.capture.check_whole_step_allocator`.)
+    instantiated here. (Whole-step captures are refused there:
+    :func:`nimble.capture.check_whole_step_allocator`.)
     """
     stats.graph_pool_bytes = meter.read(*graphs)
     stats.allocator = meter.backend
-    for graph in graphs if meter.needs_launch else ():
-        graph.instantiate()
+    if meter.needs_launch:
+        for graph in graphs:
+            graph.instantiate()
 
 
 class TrainingCapture:
