@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from tensile.plan import Plan, Recompute, Swap
 import tensile.planner
+from tensile import PlanningSnapshot
 from tensile.planner import COPY_LATENCY_MS, _greedy, plan
 from tensile.simulate import absent_ranges, kept_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
@@ -294,9 +296,34 @@ def test_the_plan_is_the_best_of_swaps_first_or_not_and_transient_rebuilds_or_no
     runs = [_greedy(*args, allow_swaps=s, transient=t) for s in (True, False) for t in (True, False)]
     assert not runs[2].swaps and not runs[3].swaps
     assert not any(r.transient for r in runs[1].recomputes + runs[3].recomputes)
+    no_swaps = min(runs[2:], key=lambda r: tensile.planner._rank(r, None))
+    if no_swaps.recomputes:   # and swaps of all but what that plan rebuilds from
+        keep = frozenset(tensile.planner._rebuild_inputs(no_swaps))
+        around = [_greedy(*args, allow_swaps=True, transient=t, no_swap=keep) for t in (True, False)]
+        assert not {s.sid for r in around for s in r.swaps} & keep
+        runs += around
     p = plan(tl, d2h_bw=bw, h2d_bw=bw, max_overhead=overhead)
     assert p.peak_after == min(r.peak_after for r in runs)
     check_plan(tl, p, max_overhead=overhead)
+
+
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "results" / "h200"
+
+
+def test_swaps_around_rebuilds_price_inception_v4_at_checkpointings_peak_below_rebuilds_alone():
+    # The planning inputs of an H200 job (twenty-third session): Inception-v4 at b=16 under
+    # the budget that brought its captured step to checkpoint_graph's peak, planned there
+    # without swaps (1.59 ms of rebuilds). With swaps the four greedy runs found nothing
+    # cheaper than rebuilds alone; swapping only what those rebuilds do not read does.
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_inception_v4_b16_tensile_graph_match_peak_"
+                                 "checkpoint_graph_copy_latency_ms_0.1_allow_swaps_false_bn_from_stats"
+                                 "_20261201T075526.json.gz")
+    alone = snap.replan(allow_swaps=False)
+    with_swaps = snap.replan(allow_swaps=True)
+    assert alone.feasible and with_swaps.feasible and with_swaps.swaps
+    assert with_swaps.est_overhead_ms < 0.6 * alone.est_overhead_ms
+    assert not {s.sid for s in with_swaps.swaps} & tensile.planner._rebuild_inputs(with_swaps)
+    check_plan(snap.timeline, with_swaps)
 
 
 @settings(max_examples=60, deadline=None)
