@@ -489,7 +489,7 @@ class Scheduler:
             self._plan_for_captured_step(batch, warmup)
         self._graph_plan = self.plan
         graph = GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
-                          batch, self.model, self.optimizer, warmup=warmup, streams=3)
+                          batch, self.model, self.optimizer, warmup=warmup)
         self.captures += 1
         return graph
 
