@@ -46,7 +46,7 @@ from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
-from tensile.planner import COPY_LATENCY_MS
+from tensile.planner import CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS
 from tensile.step import training_step
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.scale import valid_record_batches
@@ -114,6 +114,12 @@ def validate(cfg, models: dict) -> None:
     lat = exp.get("copy_latency_ms", COPY_LATENCY_MS)
     if not isinstance(lat, (int, float)) or isinstance(lat, bool) or not 0 <= lat < 1000:
         raise ConfigError(f"experiment.copy_latency_ms must be a time in ms >= 0, got {lat!r}")
+    sc = exp.get("swap_cost_ms")
+    if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool)
+                           or not 0 <= sc < 1000):
+        raise ConfigError(f"experiment.swap_cost_ms must be a time in ms >= 0, or null for each "
+                          f"method's own (tensile_graph: {CAPTURED_SWAP_COST_MS:g}, tensile: 0), "
+                          f"got {sc!r}")
     ra = exp.get("rebuild_ahead", 0)
     if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
         raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
@@ -298,6 +304,8 @@ def method_label(name: str, exp) -> str:
             knobs.append("bn_from_stats")
         if exp.get("rebuild_ahead", 0):
             knobs.append(f"rebuild_ahead={exp.rebuild_ahead:g}")
+        if exp.get("swap_cost_ms") is not None:
+            knobs.append(f"swap_cost_ms={exp.swap_cost_ms:g}")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
@@ -743,6 +751,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["batch_norm_from_stats"] = True
             if exp.get("rebuild_ahead", 0):
                 opts["rebuild_ahead"] = float(exp.rebuild_ahead)
+            if exp.get("swap_cost_ms") is not None:
+                opts["swap_cost_ms"] = float(exp.swap_cost_ms)
         return opts
     return {}
 

@@ -49,7 +49,7 @@ from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, m
 from .graph import GraphStep
 from .optimes import batch_norm_rerun_shares, step_op_times_ms
 from .plan import Plan
-from .planner import COPY_LATENCY_MS
+from .planner import COPY_LATENCY_MS, check_swap_cost
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
@@ -247,6 +247,9 @@ class Scheduler:
     0 (default): each when backward first needs it, on the compute stream. For captured
     steps (:meth:`capture`): uncaptured, an ahead rebuild between two autograd hooks puts
     the backward under the runtime's dispatch mode (host time per op).
+    ``swap_cost_ms`` (local planning): what each swap costs the step beside its hidden
+    copies, priced into the plan (:func:`tensile.planner.plan`); a captured step's are
+    :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
     samples of the example batch, not on all of it, and scale the recording to the
     example's batch size (:mod:`tensile.scale`): for a job that does not fit the GPU
@@ -285,7 +288,7 @@ class Scheduler:
                  budget: int | float | None = None, *,
                  simulate: bool | None = None,
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
-                 allow_swaps: bool = True, rebuild_ahead: float = 0.0,
+                 allow_swaps: bool = True, rebuild_ahead: float = 0.0, swap_cost_ms: float = 0.0,
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
@@ -311,6 +314,10 @@ class Scheduler:
         if not allow_swaps and (planner is not None or scheduler_socket is not None):
             raise ValueError("allow_swaps=False is an option of TENSILE's own planner here; it "
                              "does not apply with planner= or scheduler_socket")
+        if swap_cost_ms and (planner is not None or scheduler_socket is not None):
+            raise ValueError(f"swap_cost_ms={swap_cost_ms!r} is an option of TENSILE's own "
+                             "planner here; it does not apply with planner= or scheduler_socket")
+        check_swap_cost(swap_cost_ms)
         if rebuild_ahead and (planner is not None or scheduler_socket is not None):
             raise ValueError(f"rebuild_ahead={rebuild_ahead!r} is an option of TENSILE's own "
                              "planner here; it does not apply with planner= or scheduler_socket")
@@ -328,7 +335,8 @@ class Scheduler:
         # TENSILE's greedy peak shaving by default; tensile.policies has vDNN and Capuchin.
         self.planner = planner or functools.partial(
             make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
-            max_overhead=max_overhead, allow_swaps=allow_swaps, rebuild_ahead=rebuild_ahead)
+            max_overhead=max_overhead, allow_swaps=allow_swaps, rebuild_ahead=rebuild_ahead,
+            swap_cost_ms=swap_cost_ms)
 
         self._example = _signature(example_batch)
         if record_batches is None:

@@ -41,12 +41,18 @@ from .plan import Plan, Recompute, Swap
 from .simulate import kept_ranges, simulate
 from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 
-__all__ = ["plan", "COPY_LATENCY_MS"]
+__all__ = ["plan", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS"]
 
 EPS = 1e-9
 # What every planned copy costs beyond bytes / bandwidth (ms): the default of the planner,
 # tensile.Scheduler, the scheduler process and the experiments.
 COPY_LATENCY_MS = 0.01
+# What one swap costs the compute stream of a captured step (ms), its copies hidden or not:
+# its copy-out and copy-in each join the compute stream (the release waits for the copy-out,
+# the use for the copy-in). On the H200, Inception-v4 at b=16 with 37-38 swaps ran 0.72-0.83
+# ms over its priced rebuilds where the same job's swap-free plan ran at its price (twenty-
+# ninth session, results/h200/README.md): about 0.02 ms a swap. tensile_graph plans with it.
+CAPTURED_SWAP_COST_MS = 0.02
 
 
 def plan(
@@ -62,6 +68,7 @@ def plan(
     max_overhead: float = 0.0,
     allow_swaps: bool = True,
     rebuild_ahead: float = 0.0,
+    swap_cost_ms: float = 0.0,
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
 
@@ -75,42 +82,44 @@ def plan(
     the step itself keeps busy, say a streamed optimizer's). ``rebuild_ahead`` > 0: then
     issue rebuilds that many times their own rerun time before backward needs them, on a
     side stream, where the memory allows (:func:`schedule_ahead`); 0: on demand.
+    ``swap_cost_ms``: what each swap adds to the step beside its hidden copies (a captured
+    step's joins: :data:`CAPTURED_SWAP_COST_MS`); it counts in the plan's estimated extra
+    time, so the plan kept is the cheapest with it. 0 (default): swaps are free once hidden,
+    as TENSILE prices them.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
+    check_swap_cost(swap_cost_ms)
     check_max_overhead(max_overhead)
     check_rebuild_ahead(rebuild_ahead)
     t0 = time.perf_counter()
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
-            copy_latency_ms, min_bytes, max_overhead)
-    best = _greedy(*args, allow_swaps=allow_swaps, transient=True)
+            copy_latency_ms, min_bytes, max_overhead, swap_cost_ms)
+    runs = [_greedy(*args, allow_swaps=allow_swaps, transient=True)]
     if allow_recompute and (budget_bytes is not None or max_overhead > 0):
         # Swaps first is TENSILE's order, but a swapped tensor cannot feed a recompute and
         # is back (in memory) before its use: where recomputation may do the work, a plan
         # without swaps can peak lower. Rebuilding an input for one recompute alone keeps
-        # memory down but spends allowance that other recomputes could use. Keep the best
-        # plan of the four: feasible, lower peak, less extra time.
-        no_swaps = best if not allow_swaps else None
+        # memory down but spends allowance that other recomputes could use. So plan four
+        # ways: swaps first or not, such one-off rebuilds or not.
         for swaps, transient in ((True, False), (False, True), (False, False)):
             if (swaps and not allow_swaps) or (swaps, transient) == (allow_swaps, True):
-                continue   # swaps not allowed, or the plan ``best`` already is
-            other = _greedy(*args, allow_swaps=swaps, transient=transient)
-            if not swaps and (no_swaps is None or _rank(other, budget_bytes) < _rank(no_swaps, budget_bytes)):
-                no_swaps = other
-            if _rank(other, budget_bytes) < _rank(best, budget_bytes):
-                best = other
-        if allow_swaps and no_swaps is not None and no_swaps.recomputes:
-            # Swaps around the rebuilds: swaps first again, but never of a tensor that the
-            # best plan without swaps rebuilds from (a swapped tensor cannot feed a rebuild,
-            # so swapping it early forces costlier rebuilds later). Inception-v4 at
-            # checkpointing's peak on the H200: 1.13 ms of rebuilds where the other four
-            # plans price 1.58 (``tensile.snapshot`` of the twenty-third session).
+                continue   # swaps not allowed, or the first run already is this one
+            runs.append(_greedy(*args, allow_swaps=swaps, transient=transient))
+        runs = [keep_what_fits(timeline, r) if r.recomputes else r for r in runs]
+        no_swaps = min((r for r in runs if not r.swaps), key=lambda r: _rank(r, budget_bytes))
+        if allow_swaps and no_swaps.recomputes:
+            # Then twice more, swapping anything but what the best plan without swaps
+            # rebuilds from: swapping such a tensor early forces costlier rebuilds later.
+            # Inception-v4 at checkpointing's peak on the H200: 1.09 ms of rebuilds where
+            # the four runs above price 1.58 (a snapshot of the twenty-third session).
             keep = frozenset(_rebuild_inputs(no_swaps))
             for transient in (True, False):
-                other = _greedy(*args, allow_swaps=True, transient=transient, no_swap=keep)
-                if _rank(other, budget_bytes) < _rank(best, budget_bytes):
-                    best = other
-    if best.recomputes:
-        best = keep_what_fits(timeline, best)
+                r = _greedy(*args, allow_swaps=True, transient=transient, no_swap=keep)
+                runs.append(keep_what_fits(timeline, r) if r.recomputes else r)
+    elif runs[0].recomputes:
+        runs = [keep_what_fits(timeline, runs[0])]
+    # The best: feasible, then the lower peak, then less extra time (swaps priced in).
+    best = min(runs, key=lambda r: _rank(r, budget_bytes))
     if rebuild_ahead:
         schedule_ahead(timeline, best, rebuild_ahead)
     best.planner_ms = (time.perf_counter() - t0) * 1e3
@@ -142,8 +151,9 @@ def keep_what_fits(tl: AccessTimeline, p: Plan) -> Plan:
                 kept, removed, needed = trial, True, read(trial)
     if len(kept) == len(p.recomputes):
         return p
+    gone = sum(r.cost_ms for r in p.recomputes if r not in kept)   # the swaps' price stays
     return replace(p, recomputes=kept, peak_after=simulate(tl, replace(p, recomputes=kept)).peak,
-                   est_overhead_ms=float(sum(r.cost_ms for r in kept)))
+                   est_overhead_ms=float(p.est_overhead_ms - gone))
 
 
 def schedule_ahead(tl: AccessTimeline, p: Plan, lead: float) -> None:
@@ -218,12 +228,12 @@ def _rank(p: Plan, budget_bytes: int | None) -> tuple:
 
 def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h2d_bw: float,
             allow_recompute: bool, allow_cross_iteration: bool, copy_latency_ms: float,
-            min_bytes: int, max_overhead: float, allow_swaps: bool, transient: bool = True,
-            no_swap: frozenset[int] = frozenset()) -> Plan:
+            min_bytes: int, max_overhead: float, swap_cost_ms: float, allow_swaps: bool,
+            transient: bool = True, no_swap: frozenset[int] = frozenset()) -> Plan:
     """One run of the greedy peak shaving (the module docstring); ``allow_swaps=False``:
     recomputation only; ``transient=False``: a recompute's dropped inputs are always rebuilt
     early and kept (see :meth:`PlanState.try_recompute`); ``no_swap``: storages never
-    swapped (they may still be rebuilt)."""
+    swapped (they may still be rebuilt); ``swap_cost_ms``: each swap's price (:func:`plan`)."""
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     st.transient_ok = transient
     st.no_swap = no_swap
@@ -249,7 +259,8 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
         peak_before=peak_before,
         peak_after=peak_after,
         feasible=budget_bytes is None or peak_after <= budget_bytes,
-        est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes)),
+        est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes))
+        + swap_cost_ms * len(st.swaps),
         iteration_ms=timeline.iteration_ms,
     )
     # The incremental curve and an independent replay must agree; if not, the
@@ -772,6 +783,13 @@ def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
     sources = list(dict.fromkeys(r for k in chain for r in tl.reads[k]
                                  if r != sid and r not in scratch))
     return prod, then, scratch, sources
+
+
+def check_swap_cost(swap_cost_ms) -> None:
+    if isinstance(swap_cost_ms, bool) or not (isinstance(swap_cost_ms, (int, float))
+                                               and 0 <= swap_cost_ms < float("inf")):
+        raise ValueError(f"swap_cost_ms must be a number of ms >= 0 (0: swaps free once "
+                         f"hidden), got {swap_cost_ms!r}")
 
 
 def check_max_overhead(max_overhead) -> None:

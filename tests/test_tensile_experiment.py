@@ -143,10 +143,24 @@ def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch)
     assert flags == [True]   # (what it does: tests/test_tensile_runtime.py)
 
 
-def test_rebuild_ahead_reaches_the_plan_and_names_the_method(small, tmp_path):
+def test_swap_cost_reaches_the_planner_and_names_the_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
-                        "experiment.rebuild_ahead=2", "experiment.snapshot=true"))
-    row = _rows(tmp_path)["tensile(rebuild_ahead=2)"]
+                        "experiment.swap_cost_ms=0.5", "experiment.snapshot=true"))
+    row = _rows(tmp_path)["tensile(swap_cost_ms=0.5)"]
+    assert row["status"] == "ok", row["reason"]
+    from tensile import PlanningSnapshot
+    snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
+    assert snap.options["swap_cost_ms"] == 0.5
+    p = snap.plan
+    assert p.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in p.recomputes) + 0.5 * len(p.swaps))
+
+
+def test_rebuild_ahead_reaches_the_plan_and_names_the_method(small, tmp_path):
+    # without swaps: the plan then rebuilds (with them it may only swap)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
+                        "experiment.rebuild_ahead=2", "experiment.snapshot=true",
+                        "experiment.allow_swaps=false"))
+    row = _rows(tmp_path)["tensile(allow_swaps=false,rebuild_ahead=2)"]
     assert row["status"] == "ok", row["reason"]
     from tensile import PlanningSnapshot
     snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
@@ -288,6 +302,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
+    (["experiment.swap_cost_ms=-0.1"], r"swap_cost_ms must be a time in ms >= 0, or null"),
     (["experiment.rebuild_ahead=-2"], r"rebuild_ahead must be a number of rerun times >= 0 \(0: "
                                       r"rebuild on demand\), got -2"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
