@@ -308,19 +308,15 @@ class Scheduler:
         if scheduler_socket is not None and planner is not None:
             raise ValueError("planner= with scheduler_socket: the scheduler process does the "
                              "planning; leave planner=None (or drop scheduler_socket)")
-        if max_overhead and (planner is not None or scheduler_socket is not None):
-            raise ValueError(f"max_overhead={max_overhead!r} is an option of TENSILE's own planner; "
-                             "it does not apply with planner= or scheduler_socket")
-        if not allow_swaps and (planner is not None or scheduler_socket is not None):
-            raise ValueError("allow_swaps=False is an option of TENSILE's own planner here; it "
-                             "does not apply with planner= or scheduler_socket")
-        if swap_cost_ms and (planner is not None or scheduler_socket is not None):
-            raise ValueError(f"swap_cost_ms={swap_cost_ms!r} is an option of TENSILE's own "
-                             "planner here; it does not apply with planner= or scheduler_socket")
+        if planner is not None or scheduler_socket is not None:
+            # options of local planning with TENSILE's own planner: (value, default)
+            local = {"max_overhead": (max_overhead, 0.0), "allow_swaps": (allow_swaps, True),
+                     "swap_cost_ms": (swap_cost_ms, 0.0), "rebuild_ahead": (rebuild_ahead, 0.0)}
+            for name, (value, default) in local.items():
+                if value != default:
+                    raise ValueError(f"{name}={value!r} is an option of TENSILE's own planner "
+                                     "here; it does not apply with planner= or scheduler_socket")
         check_swap_cost(swap_cost_ms)
-        if rebuild_ahead and (planner is not None or scheduler_socket is not None):
-            raise ValueError(f"rebuild_ahead={rebuild_ahead!r} is an option of TENSILE's own "
-                             "planner here; it does not apply with planner= or scheduler_socket")
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
                              "give scheduler_socket too")

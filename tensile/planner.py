@@ -94,7 +94,10 @@ def plan(
     t0 = time.perf_counter()
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
             copy_latency_ms, min_bytes, max_overhead, swap_cost_ms)
-    runs = [_greedy(*args, allow_swaps=allow_swaps, transient=True)]
+
+    def run(**kw) -> Plan:   # one greedy run, reverse-deleted (a plan without recomputes stays)
+        return keep_what_fits(timeline, _greedy(*args, **kw))
+    runs = [run(allow_swaps=allow_swaps, transient=True)]
     if allow_recompute and (budget_bytes is not None or max_overhead > 0):
         # Swaps first is TENSILE's order, but a swapped tensor cannot feed a recompute and
         # is back (in memory) before its use: where recomputation may do the work, a plan
@@ -104,8 +107,7 @@ def plan(
         for swaps, transient in ((True, False), (False, True), (False, False)):
             if (swaps and not allow_swaps) or (swaps, transient) == (allow_swaps, True):
                 continue   # swaps not allowed, or the first run already is this one
-            runs.append(_greedy(*args, allow_swaps=swaps, transient=transient))
-        runs = [keep_what_fits(timeline, r) if r.recomputes else r for r in runs]
+            runs.append(run(allow_swaps=swaps, transient=transient))
         no_swaps = min((r for r in runs if not r.swaps), key=lambda r: _rank(r, budget_bytes))
         if allow_swaps and no_swaps.recomputes:
             # Then twice more, swapping anything but what the best plan without swaps
@@ -113,11 +115,7 @@ def plan(
             # Inception-v4 at checkpointing's peak on the H200: 1.09 ms of rebuilds where
             # the four runs above price 1.58 (a snapshot of the twenty-third session).
             keep = frozenset(_rebuild_inputs(no_swaps))
-            for transient in (True, False):
-                r = _greedy(*args, allow_swaps=True, transient=transient, no_swap=keep)
-                runs.append(keep_what_fits(timeline, r) if r.recomputes else r)
-    elif runs[0].recomputes:
-        runs = [keep_what_fits(timeline, runs[0])]
+            runs += [run(allow_swaps=True, transient=t, no_swap=keep) for t in (True, False)]
     # The best: feasible, then the lower peak, then less extra time (swaps priced in).
     best = min(runs, key=lambda r: _rank(r, budget_bytes))
     if rebuild_ahead:
@@ -207,8 +205,13 @@ def schedule_ahead(tl: AccessTimeline, p: Plan, lead: float) -> None:
         done |= set(group)
 
 
+def _nonneg_number(x) -> bool:
+    """A finite int or float >= 0 (not a bool)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < float("inf")
+
+
 def check_rebuild_ahead(lead) -> None:
-    if isinstance(lead, bool) or not (isinstance(lead, (int, float)) and 0 <= lead < float("inf")):
+    if not _nonneg_number(lead):
         raise ValueError(f"rebuild_ahead must be a number of rerun times >= 0 (0: on demand), "
                          f"got {lead!r}")
 
@@ -344,6 +347,7 @@ class PlanState:
         self.moved: set[int] = set()  # swapped or recomputed
         self.rebuilt: dict[int, Recompute] = {}  # recomputed: sid -> its recompute
         self.dependents: dict[int, list[Recompute]] = {}  # sid -> the recomputes reading it
+        self.rebuilt_for: dict[int, list[Recompute]] = {}  # sid -> recomputes it is transient in
         self.row = {int(s): i for i, s in enumerate(self.sids)}
         self.d2h, self.h2d = CopyChannel(tl.iteration_ms), CopyChannel(tl.iteration_ms)
         self.swaps: list[Swap] = []
@@ -493,7 +497,7 @@ class PlanState:
             if tl.tensors[sid].persistent or gap is None or not gap[0] < p < gap[1]:
                 continue
             # a source of recomputes already planned must be back (rebuilt) before theirs
-            j = min([gap[1]] + [d.before_op for d in self.dependents.get(sid, [])])
+            j = min([gap[1]] + [self._rebuilt_by(d) for d in self.dependents.get(sid, [])])
             if not p < j:
                 continue
             r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops,
@@ -605,6 +609,8 @@ class PlanState:
         self.pinned[self.row[r.sid]] = False
         if r.transient:   # rebuilt for r alone, then dropped again
             self.mem[r.before_op] += sum(self.rebuilt[s].nbytes for s in r.transient)
+            for s in r.transient:
+                self.rebuilt_for.setdefault(s, []).append(r)
         else:
             for first, old in self._early_rebuilds(r):
                 # a dropped source is rebuilt first, and then stays until its own use
@@ -669,6 +675,12 @@ class PlanState:
                 r.cost_ms, r.transient = cost, sorted(q.sid for q in later)
                 return True
         return r.cost_ms <= max_cost_ms + EPS and self._keeps_below(r, p)
+
+    def _rebuilt_by(self, d: Recompute) -> int:
+        """The first op by which ``d``'s rebuild reads its sources: its own ``before_op``,
+        or earlier where a recompute rebuilds it for itself alone (``transient``)."""
+        return min([d.before_op] + [r.before_op for r in self.rebuilt_for.get(d.sid, [])
+                                    if d.sid in r.transient])
 
     def _not_back_by(self, r: Recompute) -> list[Recompute]:
         """The recomputed tensors ``r``'s rebuild reads, directly or through them, whose
@@ -786,15 +798,13 @@ def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
 
 
 def check_swap_cost(swap_cost_ms) -> None:
-    if isinstance(swap_cost_ms, bool) or not (isinstance(swap_cost_ms, (int, float))
-                                               and 0 <= swap_cost_ms < float("inf")):
+    if not _nonneg_number(swap_cost_ms):
         raise ValueError(f"swap_cost_ms must be a number of ms >= 0 (0: swaps free once "
                          f"hidden), got {swap_cost_ms!r}")
 
 
 def check_max_overhead(max_overhead) -> None:
-    if isinstance(max_overhead, bool) or not (isinstance(max_overhead, (int, float))
-                                              and 0 <= max_overhead < float("inf")):
+    if not _nonneg_number(max_overhead):
         raise ValueError(f"max_overhead must be a fraction of the iteration time >= 0, "
                          f"got {max_overhead!r}")
 

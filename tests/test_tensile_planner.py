@@ -318,18 +318,19 @@ def test_swaps_around_rebuilds_and_a_swaps_price_on_inception_v4_at_checkpointin
     snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_inception_v4_b16_tensile_graph_match_peak_"
                                  "checkpoint_graph_copy_latency_ms_0.1_allow_swaps_false_bn_from_stats"
                                  "_20261201T075526.json.gz")
-    alone = snap.replan(allow_swaps=False)
-    free = snap.replan(allow_swaps=True)
+    captured = dict(allow_cross_iteration=False)   # as tensile_graph plans (the file has no options)
+    alone = snap.replan(allow_swaps=False, **captured)
+    free = snap.replan(allow_swaps=True, **captured)
     assert alone.feasible and free.feasible and len(free.swaps) > 20
     assert free.est_overhead_ms < 0.75 * alone.est_overhead_ms
     check_plan(snap.timeline, free)
     # Priced as a captured step's swaps ran on the GPU (tensile_graph's default), those
     # swaps cost more than the rebuilds they spare: the swap-free plan is kept.
-    priced = snap.replan(allow_swaps=True, swap_cost_ms=CAPTURED_SWAP_COST_MS)
+    priced = snap.replan(allow_swaps=True, swap_cost_ms=CAPTURED_SWAP_COST_MS, **captured)
     assert not priced.swaps and priced.est_overhead_ms == pytest.approx(alone.est_overhead_ms)
     # and a plan's estimate is its rebuilds plus its swaps' price
     assert free.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in free.recomputes))
-    few = snap.replan(allow_swaps=True, swap_cost_ms=0.001)
+    few = snap.replan(allow_swaps=True, swap_cost_ms=0.001, **captured)
     assert few.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in few.recomputes)
                                                 + 0.001 * len(few.swaps))
 
