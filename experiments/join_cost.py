@@ -1,0 +1,177 @@
+"""What a swap's waits cost inside a CUDA graph: a chain of kernels with side-stream copies.
+
+A captured TENSILE step (``tensile_graph``) joins each swap into the compute stream twice: the
+release waits for the copy-out (a later kernel may reuse the block), the use waits for the
+copy-in. The twenty-ninth session found the plan's swaps slower than their hidden copies
+(about 0.02 ms per swap on the H200, ``tensile.planner.CAPTURED_SWAP_COST_MS``) with every copy
+done in time. This experiment isolates that cost on a chain of ``kernels`` matrix products
+(about the length of an Inception-v4 training step) with ``swaps`` copies out in the first
+half and back in the second, each finished long before its wait:
+
+* ``joins=none``: the copies fork from the compute stream and join it only at the end;
+* ``joins=release`` / ``use`` / ``both``: the compute stream also waits for each copy-out at
+  its release / for each copy-in at its use, as the runtime does;
+* ``group=G``: G swaps in a row share their release op and their use op, and one wait per
+  copy stream covers them (a stream's later event implies its earlier copies are done).
+
+    python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16
+
+Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
+time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nimble.cudagraph import capture_graph
+
+from .cli import int_list
+from .env import environment, gpu_slug, host_load
+from .store import append_table_row
+from .timing import measure
+
+__all__ = ["JOINS", "ChainSpec", "capture_chain", "measure_chain", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+JOINS = ("none", "release", "use", "both")
+SPACING, DELAY = 8, 20   # ops between copies, ops from a group's last copy to its wait
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    """One chain: ``kernels`` products of ``dim`` x ``dim`` fp32 matrices on the compute
+    stream, ``swaps`` copies of ``nbytes`` each out and back in, waited on as ``joins`` says,
+    ``group`` swaps to a wait."""
+    kernels: int = 1000
+    dim: int = 768
+    swaps: int = 16
+    nbytes: int = 2 << 20
+    joins: str = "both"
+    group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.joins not in JOINS:
+            raise ValueError(f"joins must be one of {JOINS}, got {self.joins!r}")
+        if self.kernels < 40 or self.dim < 1 or self.nbytes < 1 or self.group < 1 or self.swaps < 0:
+            raise ValueError(f"need kernels >= 40 and dim, nbytes, group >= 1, swaps >= 0: {self}")
+        if self.swaps and self.swaps % self.group:
+            raise ValueError(f"swaps ({self.swaps}) must be a multiple of group ({self.group})")
+        if 10 + SPACING * self.swaps + DELAY >= self.kernels // 2:
+            raise ValueError(f"{self.swaps} swaps need more than {self.kernels} kernels "
+                             f"({SPACING} ops apart, within each half)")
+
+    def positions(self) -> list[tuple[int, int, int, int]]:
+        """Per swap: (copy-out after op, release at op, copy-in after op, use at op). Outs
+        ``SPACING`` ops apart from op 10, the group's release ``DELAY`` ops after its last
+        out; copy-ins alike from the second half on, the group's use ``DELAY`` ops after its
+        last copy-in: each copy is done long before its wait, as a plan places them."""
+        half, out = self.kernels // 2, []
+        for s in range(self.swaps):
+            last = (s // self.group + 1) * self.group - 1   # the group's last swap
+            out.append((10 + SPACING * s, 10 + SPACING * last + DELAY,
+                        half + SPACING * s, half + SPACING * last + DELAY))
+        return out
+
+
+def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
+    """The chain of ``spec`` captured into one CUDA graph (its tensors kept alive by it)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(spec.dim, spec.dim, device=dev, generator=gen) / spec.dim ** 0.5
+    x = torch.randn(spec.dim, spec.dim, device=dev, generator=gen)
+    src = [torch.randn(spec.nbytes // 4, device=dev, generator=gen) for _ in range(spec.swaps)]
+    host = [torch.empty(spec.nbytes // 4, pin_memory=True) for _ in range(spec.swaps)]
+    back = [torch.empty_like(t) for t in src]
+    d2h, h2d = torch.cuda.Stream(), torch.cuda.Stream()
+    by_op: dict[int, list[tuple[str, int]]] = {}
+    for s, (o, r, i, u) in enumerate(spec.positions()):
+        for op, what in ((o, "out"), (r, "release"), (i, "in"), (u, "use")):
+            by_op.setdefault(op, []).append((what, s))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    outs, ins = {}, {}
+    with capture_graph(graph):
+        compute = torch.cuda.current_stream()
+        a, b = x, torch.empty_like(x)
+        for k in range(spec.kernels):
+            torch.mm(a, w, out=b)
+            a, b = b, a
+            waits = {"d2h": None, "h2d": None}   # the latest event due here, per stream
+            for what, s in by_op.get(k, []):
+                if what == "out":
+                    d2h.wait_stream(compute)
+                    with torch.cuda.stream(d2h):
+                        host[s].copy_(src[s], non_blocking=True)
+                    outs[s] = torch.cuda.Event()
+                    outs[s].record(d2h)
+                elif what == "in":
+                    h2d.wait_stream(compute)
+                    h2d.wait_event(outs[s])
+                    with torch.cuda.stream(h2d):
+                        back[s].copy_(host[s], non_blocking=True)
+                    ins[s] = torch.cuda.Event()
+                    ins[s].record(h2d)
+                elif what == "release" and spec.joins in ("release", "both"):
+                    waits["d2h"] = outs[s]
+                elif what == "use" and spec.joins in ("use", "both"):
+                    waits["h2d"] = ins[s]
+            for event in waits.values():
+                if event is not None:
+                    compute.wait_event(event)
+        compute.wait_stream(d2h)   # a capture ends with every side stream joined
+        compute.wait_stream(h2d)
+    graph._keep = (w, x, src, host, back)   # the graph reads and writes these addresses
+    return graph
+
+
+def measure_chain(spec: ChainSpec, *, warmup: int = 20, iters: int = 200) -> dict:
+    """Time one replay of ``spec``'s graph; the row of :func:`main` (without per-wait cost)."""
+    graph = capture_chain(spec)
+    timing = measure(graph.replay, (), warmup=warmup, iters=iters)
+    groups = spec.swaps // spec.group
+    waits = groups * {"none": 0, "release": 1, "use": 1, "both": 2}[spec.joins]
+    return {"kernels": spec.kernels, "dim": spec.dim, "swaps": spec.swaps, "nbytes": spec.nbytes,
+            "joins": spec.joins, "group": spec.group, "waits": waits,
+            "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms,
+            "warmup": warmup, "iters": iters}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--swaps", type=int_list, default=[0, 16, 48], help="numbers of swaps")
+    parser.add_argument("--group", type=int_list, default=[1, 4, 16], help="swaps per wait")
+    parser.add_argument("--kernels", type=int, default=1000, help="matrix products in the chain")
+    parser.add_argument("--dim", type=int, default=768, help="their matrices' side")
+    parser.add_argument("--mib", type=float, default=2.0, help="MiB per swapped tensor")
+    parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
+    parser.add_argument("--iters", type=int, default=200, help="timed replays (>= 100 for the protocol)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("this experiment captures CUDA graphs: no CUDA device is available here")
+    out = Path(args.results) / gpu_slug() / "join_cost.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbytes = int(args.mib * (1 << 20)) // 4 * 4
+    specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
+    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g)
+              for s in args.swaps if s for g in args.group if s % g == 0 for j in JOINS
+              if not (j == "none" and g > 1)]   # without waits the grouping changes nothing
+    env = {**environment("cuda"), **host_load()}
+    rows = [measure_chain(spec, iters=args.iters) for spec in tqdm(specs, desc="join_cost", unit="chain")]
+    free = {r["swaps"]: r["median_ms"] for r in rows if r["joins"] == "none"}
+    for row in rows:
+        extra = row["median_ms"] - free[row["swaps"]]
+        row["per_wait_us"] = extra * 1e3 / row["waits"] if row["waits"] else None
+        append_table_row(out, {**row, **env})
+        print(f"{row['swaps']:3d} swaps, joins={row['joins']:7s} group={row['group']:2d}: "
+              f"{row['median_ms']:.3f} ms (p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f})"
+              + (f", {row['per_wait_us']:.1f} us per wait" if row["waits"] else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
