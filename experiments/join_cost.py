@@ -12,9 +12,11 @@ half and back in the second, each finished long before its wait:
 * ``joins=release`` / ``use`` / ``both``: the compute stream also waits for each copy-out at
   its release / for each copy-in at its use, as the runtime does;
 * ``group=G``: G swaps in a row share their release op and their use op, and one wait per
-  copy stream covers them (a stream's later event implies its earlier copies are done).
+  copy stream covers them (a stream's later event implies its earlier copies are done);
+* ``timed``: each copy between two timing events (external, recorded into the graph), as
+  the runtime times a captured step's copies (``PlanRunner.captured_copy_rates``).
 
-    python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16
+    python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16 --timed 0,1
 
 Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
 time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
@@ -22,8 +24,10 @@ time over the same chain's copies without waits, per wait the compute stream mak
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -46,13 +50,14 @@ SPACING, DELAY = 8, 20   # ops between copies, ops from a group's last copy to i
 class ChainSpec:
     """One chain: ``kernels`` products of ``dim`` x ``dim`` fp32 matrices on the compute
     stream, ``swaps`` copies of ``nbytes`` each out and back in, waited on as ``joins`` says,
-    ``group`` swaps to a wait."""
+    ``group`` swaps to a wait, each copy between timing events if ``timed``."""
     kernels: int = 1000
     dim: int = 768
     swaps: int = 16
     nbytes: int = 2 << 20
     joins: str = "both"
     group: int = 1
+    timed: bool = False
 
     def __post_init__(self) -> None:
         if self.joins not in JOINS:
@@ -76,6 +81,18 @@ class ChainSpec:
             out.append((10 + SPACING * s, 10 + SPACING * last + DELAY,
                         half + SPACING * s, half + SPACING * last + DELAY))
         return out
+
+
+@contextlib.contextmanager
+def _timed(timed: bool, stream: torch.cuda.Stream) -> Iterator[None]:
+    """Around a captured copy, timing events as the runtime records them (or nothing)."""
+    if not timed:
+        yield
+        return
+    start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+    start.record(stream)
+    yield
+    end.record(stream)
 
 
 def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
@@ -105,14 +122,14 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
             for what, s in by_op.get(k, []):
                 if what == "out":
                     d2h.wait_stream(compute)
-                    with torch.cuda.stream(d2h):
+                    with torch.cuda.stream(d2h), _timed(spec.timed, d2h):
                         host[s].copy_(src[s], non_blocking=True)
                     outs[s] = torch.cuda.Event()
                     outs[s].record(d2h)
                 elif what == "in":
                     h2d.wait_stream(compute)
                     h2d.wait_event(outs[s])
-                    with torch.cuda.stream(h2d):
+                    with torch.cuda.stream(h2d), _timed(spec.timed, h2d):
                         back[s].copy_(host[s], non_blocking=True)
                     ins[s] = torch.cuda.Event()
                     ins[s].record(h2d)
@@ -136,7 +153,7 @@ def measure_chain(spec: ChainSpec, *, warmup: int = 20, iters: int = 200) -> dic
     groups = spec.swaps // spec.group
     waits = groups * {"none": 0, "release": 1, "use": 1, "both": 2}[spec.joins]
     return {"kernels": spec.kernels, "dim": spec.dim, "swaps": spec.swaps, "nbytes": spec.nbytes,
-            "joins": spec.joins, "group": spec.group, "waits": waits,
+            "joins": spec.joins, "group": spec.group, "timed": spec.timed, "waits": waits,
             "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms,
             "warmup": warmup, "iters": iters}
 
@@ -145,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--swaps", type=int_list, default=[0, 16, 48], help="numbers of swaps")
     parser.add_argument("--group", type=int_list, default=[1, 4, 16], help="swaps per wait")
+    parser.add_argument("--timed", type=int_list, default=[0], help="copies between timing events: 0, 1 or 0,1")
     parser.add_argument("--kernels", type=int, default=1000, help="matrix products in the chain")
     parser.add_argument("--dim", type=int, default=768, help="their matrices' side")
     parser.add_argument("--mib", type=float, default=2.0, help="MiB per swapped tensor")
@@ -156,18 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.results) / gpu_slug() / "join_cost.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     nbytes = int(args.mib * (1 << 20)) // 4 * 4
+    if not set(args.timed) <= {0, 1}:
+        parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
     specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
-    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g)
-              for s in args.swaps if s for g in args.group if s % g == 0 for j in JOINS
-              if not (j == "none" and g > 1)]   # without waits the grouping changes nothing
+    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t))
+              for t in args.timed for s in args.swaps if s for g in args.group if s % g == 0
+              for j in JOINS if not (j == "none" and g > 1)]   # no waits: groups change nothing
     env = {**environment("cuda"), **host_load()}
     rows = [measure_chain(spec, iters=args.iters) for spec in tqdm(specs, desc="join_cost", unit="chain")]
-    free = {r["swaps"]: r["median_ms"] for r in rows if r["joins"] == "none"}
+    free = {(r["swaps"], r["timed"]): r["median_ms"] for r in rows if r["joins"] == "none"}
     for row in rows:
-        extra = row["median_ms"] - free[row["swaps"]]
+        extra = row["median_ms"] - free.get((row["swaps"], row["timed"]), free[0, False])
         row["per_wait_us"] = extra * 1e3 / row["waits"] if row["waits"] else None
         append_table_row(out, {**row, **env})
-        print(f"{row['swaps']:3d} swaps, joins={row['joins']:7s} group={row['group']:2d}: "
+        print(f"{row['swaps']:3d} swaps, joins={row['joins']:7s} group={row['group']:2d} "
+              f"timed={int(row['timed'])}: "
               f"{row['median_ms']:.3f} ms (p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f})"
               + (f", {row['per_wait_us']:.1f} us per wait" if row["waits"] else ""), flush=True)
     return 0

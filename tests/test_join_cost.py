@@ -51,9 +51,10 @@ def test_a_replay_brings_every_swapped_tensor_back_and_the_cli_writes_rows(tmp_p
     for s, h, b in zip(src, host, back):
         assert torch.equal(h, s.cpu()) and torch.equal(b, s)
     join_cost.main(["--swaps", "8", "--group", "1,4", "--kernels", "200", "--iters", "100",
-                    "--mib", "1", "--results", str(tmp_path)])
+                    "--mib", "1", "--timed", "0,1", "--results", str(tmp_path)])
     import pandas as pd
     rows = pd.read_csv(next(tmp_path.glob("*/join_cost.csv")))
-    assert len(rows) == 1 + 4 + 3   # no swaps; 8 swaps: none/release/use/both (group 1), waits (4)
-    both = rows[(rows["joins"] == "both") & (rows["group"] == 1)].iloc[0]
+    assert len(rows) == 1 + 2 * (4 + 3)   # no swaps; 8 swaps: none/release/use/both (group 1),
+    #                                      waits (group 4), with and without timing events
+    both = rows[(rows["joins"] == "both") & (rows["group"] == 1) & ~rows["timed"]].iloc[0]
     assert both["waits"] == 16 and both["gpu"] != "cpu" and both["iters"] == 100
