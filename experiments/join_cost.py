@@ -109,6 +109,10 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
     for s, (o, r, i, u) in enumerate(spec.positions()):
         for op, what in ((o, "out"), (r, "release"), (i, "in"), (u, "use")):
             by_op.setdefault(op, []).append((what, s))
+    side = torch.cuda.Stream()   # cuBLAS makes its handle on first use, which a capture refuses
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.mm(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     outs, ins = {}, {}
