@@ -144,8 +144,9 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
             for event in waits.values():
                 if event is not None:
                     compute.wait_event(event)
-        compute.wait_stream(d2h)   # a capture ends with every side stream joined
-        compute.wait_stream(h2d)
+        if spec.swaps:   # a capture ends with every side stream it forked joined
+            compute.wait_stream(d2h)
+            compute.wait_stream(h2d)
     graph._keep = (w, x, src, host, back)   # the graph reads and writes these addresses
     return graph
 
