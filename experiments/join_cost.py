@@ -13,10 +13,13 @@ half and back in the second, each finished long before its wait:
   its release / for each copy-in at its use, as the runtime does;
 * ``group=G``: G swaps in a row share their release op and their use op, and one wait per
   copy stream covers them (a stream's later event implies its earlier copies are done);
+* ``forks=once``: the copy streams fork from the compute stream once, at the start, instead
+  of before each copy (the copies then read data not yet final: timing only), to tell the
+  fork edges' cost from the copies' own;
 * ``timed``: each copy between two timing events (external, recorded into the graph), as
   the runtime times a captured step's copies (``PlanRunner.captured_copy_rates``).
 
-    python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16 --timed 0,1
+    python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16 --forks each,once --timed 0,1
 
 Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
 time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
@@ -43,6 +46,7 @@ __all__ = ["JOINS", "ChainSpec", "capture_chain", "measure_chain", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JOINS = ("none", "release", "use", "both")
+FORKS = ("each", "once")
 SPACING, DELAY = 8, 20   # ops between copies, ops from a group's last copy to its wait
 
 
@@ -50,18 +54,22 @@ SPACING, DELAY = 8, 20   # ops between copies, ops from a group's last copy to i
 class ChainSpec:
     """One chain: ``kernels`` products of ``dim`` x ``dim`` fp32 matrices on the compute
     stream, ``swaps`` copies of ``nbytes`` each out and back in, waited on as ``joins`` says,
-    ``group`` swaps to a wait, each copy between timing events if ``timed``."""
+    ``group`` swaps to a wait, the copy streams forked before each copy or ``once``, each copy
+    between timing events if ``timed``."""
     kernels: int = 1000
-    dim: int = 768
+    dim: int = 640
     swaps: int = 16
     nbytes: int = 2 << 20
     joins: str = "both"
     group: int = 1
     timed: bool = False
+    forks: str = "each"
 
     def __post_init__(self) -> None:
         if self.joins not in JOINS:
             raise ValueError(f"joins must be one of {JOINS}, got {self.joins!r}")
+        if self.forks not in FORKS:
+            raise ValueError(f"forks must be one of {FORKS}, got {self.forks!r}")
         if self.kernels < 40 or self.dim < 1 or self.nbytes < 1 or self.group < 1 or self.swaps < 0:
             raise ValueError(f"need kernels >= 40 and dim, nbytes, group >= 1, swaps >= 0: {self}")
         if self.swaps and self.swaps % self.group:
@@ -84,12 +92,14 @@ class ChainSpec:
 
 
 @contextlib.contextmanager
-def _timed(timed: bool, stream: torch.cuda.Stream) -> Iterator[None]:
-    """Around a captured copy, timing events as the runtime records them (or nothing)."""
+def _timed(timed: bool, stream: torch.cuda.Stream, keep: list) -> Iterator[None]:
+    """Around a captured copy, timing events as the runtime records them (or nothing). The
+    events go into ``keep``: the graph records them on every replay, so they must outlive it."""
     if not timed:
         yield
         return
     start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
+    keep += [start, end]
     start.record(stream)
     yield
     end.record(stream)
@@ -115,9 +125,12 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
         torch.mm(x, w)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    outs, ins = {}, {}
+    outs, ins, timing = {}, {}, []
     with capture_graph(graph):
         compute = torch.cuda.current_stream()
+        if spec.forks == "once" and spec.swaps:
+            d2h.wait_stream(compute)
+            h2d.wait_stream(compute)
         a, b = x, torch.empty_like(x)
         for k in range(spec.kernels):
             torch.mm(a, w, out=b)
@@ -125,15 +138,17 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
             waits = {"d2h": None, "h2d": None}   # the latest event due here, per stream
             for what, s in by_op.get(k, []):
                 if what == "out":
-                    d2h.wait_stream(compute)
-                    with torch.cuda.stream(d2h), _timed(spec.timed, d2h):
+                    if spec.forks == "each":
+                        d2h.wait_stream(compute)
+                    with torch.cuda.stream(d2h), _timed(spec.timed, d2h, timing):
                         host[s].copy_(src[s], non_blocking=True)
                     outs[s] = torch.cuda.Event()
                     outs[s].record(d2h)
                 elif what == "in":
-                    h2d.wait_stream(compute)
+                    if spec.forks == "each":
+                        h2d.wait_stream(compute)
                     h2d.wait_event(outs[s])
-                    with torch.cuda.stream(h2d), _timed(spec.timed, h2d):
+                    with torch.cuda.stream(h2d), _timed(spec.timed, h2d, timing):
                         back[s].copy_(host[s], non_blocking=True)
                     ins[s] = torch.cuda.Event()
                     ins[s].record(h2d)
@@ -147,20 +162,28 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
         if spec.swaps:   # a capture ends with every side stream it forked joined
             compute.wait_stream(d2h)
             compute.wait_stream(h2d)
-    graph._keep = (w, x, src, host, back)   # the graph reads and writes these addresses
+    graph._keep = (w, x, src, host, back, timing)   # what the graph reads, writes, records
     return graph
 
 
-def measure_chain(spec: ChainSpec, *, warmup: int = 20, iters: int = 200) -> dict:
+def measure_chain(spec: ChainSpec, *, warmup: int = 10, iters: int = 100) -> dict:
     """Time one replay of ``spec``'s graph; the row of :func:`main` (without per-wait cost)."""
     graph = capture_chain(spec)
     timing = measure(graph.replay, (), warmup=warmup, iters=iters)
     groups = spec.swaps // spec.group
     waits = groups * {"none": 0, "release": 1, "use": 1, "both": 2}[spec.joins]
     return {"kernels": spec.kernels, "dim": spec.dim, "swaps": spec.swaps, "nbytes": spec.nbytes,
-            "joins": spec.joins, "group": spec.group, "timed": spec.timed, "waits": waits,
+            "joins": spec.joins, "group": spec.group, "timed": spec.timed, "forks": spec.forks,
+            "waits": waits,
             "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms,
             "warmup": warmup, "iters": iters}
+
+
+def _forks(text: str) -> list[str]:
+    got = text.split(",")
+    if not got or not set(got) <= set(FORKS):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {FORKS}, got {text!r}")
+    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--swaps", type=int_list, default=[0, 16, 48], help="numbers of swaps")
     parser.add_argument("--group", type=int_list, default=[1, 4, 16], help="swaps per wait")
     parser.add_argument("--timed", type=int_list, default=[0], help="copies between timing events: 0, 1 or 0,1")
+    parser.add_argument("--forks", type=_forks, default=["each"], help="each, once or each,once")
     parser.add_argument("--kernels", type=int, default=1000, help="matrix products in the chain")
-    parser.add_argument("--dim", type=int, default=768, help="their matrices' side")
+    parser.add_argument("--dim", type=int, default=640, help="their matrices' side")
     parser.add_argument("--mib", type=float, default=2.0, help="MiB per swapped tensor")
     parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
-    parser.add_argument("--iters", type=int, default=200, help="timed replays (>= 100 for the protocol)")
+    parser.add_argument("--iters", type=int, default=100, help="timed replays (>= 100 for the protocol)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("this experiment captures CUDA graphs: no CUDA device is available here")
@@ -182,18 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     if not set(args.timed) <= {0, 1}:
         parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
     specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
-    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t))
-              for t in args.timed for s in args.swaps if s for g in args.group if s % g == 0
+    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t), f)
+              for f in args.forks for t in args.timed for s in args.swaps if s
+              for g in args.group if s % g == 0
               for j in JOINS if not (j == "none" and g > 1)]   # no waits: groups change nothing
     env = {**environment("cuda"), **host_load()}
-    rows = [measure_chain(spec, iters=args.iters) for spec in tqdm(specs, desc="join_cost", unit="chain")]
-    free = {(r["swaps"], r["timed"]): r["median_ms"] for r in rows if r["joins"] == "none"}
-    for row in rows:
-        extra = row["median_ms"] - free.get((row["swaps"], row["timed"]), free[0, False])
+    free = {}   # the step without waits, per setting: measured before those with waits
+    for spec in tqdm(specs, desc="join_cost", unit="chain"):
+        row = measure_chain(spec, iters=args.iters)
+        if row["joins"] == "none":
+            free[row["swaps"], row["timed"], row["forks"]] = row["median_ms"]
+        extra = row["median_ms"] - free[row["swaps"], row["timed"], row["forks"]]
         row["per_wait_us"] = extra * 1e3 / row["waits"] if row["waits"] else None
         append_table_row(out, {**row, **env})
         print(f"{row['swaps']:3d} swaps, joins={row['joins']:7s} group={row['group']:2d} "
-              f"timed={int(row['timed'])}: "
+              f"timed={int(row['timed'])} forks={row['forks']}: "
               f"{row['median_ms']:.3f} ms (p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f})"
               + (f", {row['per_wait_us']:.1f} us per wait" if row["waits"] else ""), flush=True)
     return 0

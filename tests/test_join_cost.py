@@ -27,12 +27,17 @@ def test_bad_specs_are_refused_with_what_was_expected():
         ChainSpec(swaps=10, group=4)
     with pytest.raises(ValueError, match="200 swaps need more than 1000 kernels"):
         ChainSpec(swaps=200)
+    with pytest.raises(ValueError, match="forks must be one of"):
+        ChainSpec(forks="never")
     with pytest.raises(ValueError, match="need kernels >= 40"):
         ChainSpec(kernels=10, swaps=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a host without CUDA")
 def test_without_cuda_the_cli_says_so(capsys):
+    with pytest.raises(SystemExit):
+        join_cost.main(["--forks", "each,never"])
+    assert "expected a comma-separated list of ('each', 'once'), got 'each,never'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         join_cost.main([])
     assert "no CUDA device is available here" in capsys.readouterr().err
@@ -51,7 +56,7 @@ def test_a_replay_brings_every_swapped_tensor_back_and_the_cli_writes_rows(tmp_p
     for s, h, b in zip(src, host, back):
         assert torch.equal(h, s.cpu()) and torch.equal(b, s)
     join_cost.main(["--swaps", "8", "--group", "1,4", "--kernels", "200", "--iters", "100",
-                    "--mib", "1", "--timed", "0,1", "--results", str(tmp_path)])
+                    "--mib", "1", "--timed", "0,1", "--forks", "once", "--results", str(tmp_path)])
     import pandas as pd
     rows = pd.read_csv(next(tmp_path.glob("*/join_cost.csv")))
     assert len(rows) == 1 + 2 * (4 + 3)   # no swaps; 8 swaps: none/release/use/both (group 1),
