@@ -16,10 +16,14 @@ half and back in the second, each finished long before its wait:
 * ``forks=once``: the copy streams fork from the compute stream once, at the start, instead
   of before each copy (the copies then read data not yet final: timing only), to tell the
   fork edges' cost from the copies' own;
+* ``side=kernel``: a small kernel on each side stream (the tensor times one) instead of the
+  copy; ``side=inline``: the copies on the compute stream itself, no side streams (and no
+  waits): what a graph with side branches costs, against one with the same nodes in a line;
 * ``timed``: each copy between two timing events (external, recorded into the graph), as
   the runtime times a captured step's copies (``PlanRunner.captured_copy_rates``).
 
     python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16 --forks each,once --timed 0,1
+    python -m experiments.join_cost --swaps 0,1,16 --group 1 --side copy,kernel,inline --mib 0.01
 
 Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
 time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -47,6 +51,7 @@ __all__ = ["JOINS", "ChainSpec", "capture_chain", "measure_chain", "main"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 JOINS = ("none", "release", "use", "both")
 FORKS = ("each", "once")
+SIDES = ("copy", "kernel", "inline")
 SPACING, DELAY = 8, 20   # ops between copies, ops from a group's last copy to its wait
 
 
@@ -55,7 +60,8 @@ class ChainSpec:
     """One chain: ``kernels`` products of ``dim`` x ``dim`` fp32 matrices on the compute
     stream, ``swaps`` copies of ``nbytes`` each out and back in, waited on as ``joins`` says,
     ``group`` swaps to a wait, the copy streams forked before each copy or ``once``, each copy
-    between timing events if ``timed``."""
+    between timing events if ``timed``; ``side``: copies on side streams, kernels there
+    instead, or copies on the compute stream."""
     kernels: int = 1000
     dim: int = 640
     swaps: int = 16
@@ -64,12 +70,18 @@ class ChainSpec:
     group: int = 1
     timed: bool = False
     forks: str = "each"
+    side: str = "copy"
 
     def __post_init__(self) -> None:
         if self.joins not in JOINS:
             raise ValueError(f"joins must be one of {JOINS}, got {self.joins!r}")
         if self.forks not in FORKS:
             raise ValueError(f"forks must be one of {FORKS}, got {self.forks!r}")
+        if self.side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {self.side!r}")
+        if self.side == "inline" and self.joins != "none":
+            raise ValueError(f"side=inline has no side streams to wait for: joins must be "
+                             f"'none', got {self.joins!r}")
         if self.kernels < 40 or self.dim < 1 or self.nbytes < 1 or self.group < 1 or self.swaps < 0:
             raise ValueError(f"need kernels >= 40 and dim, nbytes, group >= 1, swaps >= 0: {self}")
         if self.swaps and self.swaps % self.group:
@@ -105,6 +117,15 @@ def _timed(timed: bool, stream: torch.cuda.Stream, keep: list) -> Iterator[None]
     end.record(stream)
 
 
+def _move(side: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """One swap's copy on the current stream, or (``side=kernel``) a kernel of about the
+    same launch instead: the device tensor of the two times one, in place."""
+    if side == "kernel":
+        (src if src.is_cuda else dst).mul_(1.0)
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
     """The chain of ``spec`` captured into one CUDA graph (its tensors kept alive by it)."""
     dev = torch.device("cuda")
@@ -128,7 +149,9 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
     outs, ins, timing = {}, {}, []
     with capture_graph(graph):
         compute = torch.cuda.current_stream()
-        if spec.forks == "once" and spec.swaps:
+        if spec.side == "inline":
+            d2h = h2d = compute    # the copies in line with the chain: no forks, no waits
+        elif spec.forks == "once" and spec.swaps:
             d2h.wait_stream(compute)
             h2d.wait_stream(compute)
         a, b = x, torch.empty_like(x)
@@ -138,18 +161,18 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
             waits = {"d2h": None, "h2d": None}   # the latest event due here, per stream
             for what, s in by_op.get(k, []):
                 if what == "out":
-                    if spec.forks == "each":
+                    if spec.forks == "each" and d2h is not compute:
                         d2h.wait_stream(compute)
                     with torch.cuda.stream(d2h), _timed(spec.timed, d2h, timing):
-                        host[s].copy_(src[s], non_blocking=True)
+                        _move(spec.side, host[s], src[s])
                     outs[s] = torch.cuda.Event()
                     outs[s].record(d2h)
                 elif what == "in":
-                    if spec.forks == "each":
+                    if spec.forks == "each" and h2d is not compute:
                         h2d.wait_stream(compute)
                     h2d.wait_event(outs[s])
                     with torch.cuda.stream(h2d), _timed(spec.timed, h2d, timing):
-                        back[s].copy_(host[s], non_blocking=True)
+                        _move(spec.side, back[s], host[s])
                     ins[s] = torch.cuda.Event()
                     ins[s].record(h2d)
                 elif what == "release" and spec.joins in ("release", "both"):
@@ -159,7 +182,7 @@ def capture_chain(spec: ChainSpec) -> torch.cuda.CUDAGraph:
             for event in waits.values():
                 if event is not None:
                     compute.wait_event(event)
-        if spec.swaps:   # a capture ends with every side stream it forked joined
+        if spec.swaps and spec.side != "inline":   # a capture ends with its side streams joined
             compute.wait_stream(d2h)
             compute.wait_stream(h2d)
     graph._keep = (w, x, src, host, back, timing)   # what the graph reads, writes, records
@@ -174,16 +197,21 @@ def measure_chain(spec: ChainSpec, *, warmup: int = 10, iters: int = 100) -> dic
     waits = groups * {"none": 0, "release": 1, "use": 1, "both": 2}[spec.joins]
     return {"kernels": spec.kernels, "dim": spec.dim, "swaps": spec.swaps, "nbytes": spec.nbytes,
             "joins": spec.joins, "group": spec.group, "timed": spec.timed, "forks": spec.forks,
+            "side": spec.side,
             "waits": waits,
             "median_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms,
             "warmup": warmup, "iters": iters}
 
 
-def _forks(text: str) -> list[str]:
-    got = text.split(",")
-    if not got or not set(got) <= set(FORKS):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {FORKS}, got {text!r}")
-    return got
+def _choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated list of ``allowed`` names."""
+    def parse(text: str) -> list[str]:
+        got = text.split(",")
+        if not set(got) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {allowed}, "
+                                             f"got {text!r}")
+        return got
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--swaps", type=int_list, default=[0, 16, 48], help="numbers of swaps")
     parser.add_argument("--group", type=int_list, default=[1, 4, 16], help="swaps per wait")
     parser.add_argument("--timed", type=int_list, default=[0], help="copies between timing events: 0, 1 or 0,1")
-    parser.add_argument("--forks", type=_forks, default=["each"], help="each, once or each,once")
+    parser.add_argument("--forks", type=_choices(FORKS), default=["each"], help="each, once or each,once")
+    parser.add_argument("--side", type=_choices(SIDES), default=["copy"],
+                        help="copy, kernel, inline (comma-separated)")
     parser.add_argument("--kernels", type=int, default=1000, help="matrix products in the chain")
     parser.add_argument("--dim", type=int, default=640, help="their matrices' side")
     parser.add_argument("--mib", type=float, default=2.0, help="MiB per swapped tensor")
@@ -206,21 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     if not set(args.timed) <= {0, 1}:
         parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
     specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
-    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t), f)
-              for f in args.forks for t in args.timed for s in args.swaps if s
-              for g in args.group if s % g == 0
-              for j in JOINS if not (j == "none" and g > 1)]   # no waits: groups change nothing
+    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t), f, side)
+              for side in args.side for f in args.forks for t in args.timed for s in args.swaps
+              if s for g in args.group if s % g == 0 for j in JOINS
+              if not (j == "none" and g > 1)            # no waits: groups change nothing
+              and not (side == "inline" and (j != "none" or f != "each"))]   # nothing to wait for
     env = {**environment("cuda"), **host_load()}
     free = {}   # the step without waits, per setting: measured before those with waits
     for spec in tqdm(specs, desc="join_cost", unit="chain"):
         row = measure_chain(spec, iters=args.iters)
         if row["joins"] == "none":
-            free[row["swaps"], row["timed"], row["forks"]] = row["median_ms"]
-        extra = row["median_ms"] - free[row["swaps"], row["timed"], row["forks"]]
+            free[spec] = row["median_ms"]
+        extra = row["median_ms"] - free[replace(spec, joins="none", group=1)]
         row["per_wait_us"] = extra * 1e3 / row["waits"] if row["waits"] else None
         append_table_row(out, {**row, **env})
         print(f"{row['swaps']:3d} swaps, joins={row['joins']:7s} group={row['group']:2d} "
-              f"timed={int(row['timed'])} forks={row['forks']}: "
+              f"timed={int(row['timed'])} forks={row['forks']} side={row['side']}: "
               f"{row['median_ms']:.3f} ms (p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f})"
               + (f", {row['per_wait_us']:.1f} us per wait" if row["waits"] else ""), flush=True)
     return 0

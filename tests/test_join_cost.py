@@ -29,6 +29,10 @@ def test_bad_specs_are_refused_with_what_was_expected():
         ChainSpec(swaps=200)
     with pytest.raises(ValueError, match="forks must be one of"):
         ChainSpec(forks="never")
+    with pytest.raises(ValueError, match="side=inline has no side streams to wait for"):
+        ChainSpec(side="inline", joins="use")
+    with pytest.raises(ValueError, match="side must be one of"):
+        ChainSpec(side="host")
     with pytest.raises(ValueError, match="need kernels >= 40"):
         ChainSpec(kernels=10, swaps=0)
 
@@ -48,7 +52,7 @@ def test_without_cuda_the_cli_says_so(capsys):
 def test_a_replay_brings_every_swapped_tensor_back_and_the_cli_writes_rows(tmp_path):
     spec = ChainSpec(kernels=200, swaps=8, group=4, nbytes=1 << 20)
     graph = join_cost.capture_chain(spec)
-    _, _, src, host, back = graph._keep
+    _, _, src, host, back, _ = graph._keep
     for b in back:
         b.zero_()
     graph.replay()
@@ -63,3 +67,8 @@ def test_a_replay_brings_every_swapped_tensor_back_and_the_cli_writes_rows(tmp_p
     #                                      waits (group 4), with and without timing events
     both = rows[(rows["joins"] == "both") & (rows["group"] == 1) & ~rows["timed"]].iloc[0]
     assert both["waits"] == 16 and both["gpu"] != "cpu" and both["iters"] == 100
+    join_cost.main(["--swaps", "8", "--group", "1", "--kernels", "200", "--iters", "100",
+                    "--mib", "0.01", "--side", "kernel,inline", "--results", str(tmp_path)])
+    rows = pd.read_csv(next(tmp_path.glob("*/join_cost.csv"))).iloc[15:]
+    assert sorted(rows["side"]) == ["copy"] + ["inline"] + ["kernel"] * 4   # 0 swaps: side=copy
+    assert set(rows[rows["side"] == "inline"]["joins"]) == {"none"}
