@@ -25,6 +25,13 @@ half and back in the second, each finished long before its wait:
     python -m experiments.join_cost --swaps 0,16,48 --group 1,4,16 --forks each,once --timed 0,1
     python -m experiments.join_cost --swaps 0,1,16 --group 1 --side copy,kernel,inline --mib 0.01
 
+With ``--models`` it captures real training steps instead (forward, backward, Adam;
+``tensile.graph.GraphStep``, as the ``graph`` method) and adds one ``side`` operation with a
+wait right after a middle module's forward: does a single mid-graph wait slow the whole
+step, as it slows the chain?
+
+    python -m experiments.join_cost --models resnet50,inception_v4 --batch 16 --side copy,kernel,inline
+
 Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
 time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
 """
@@ -41,7 +48,7 @@ from tqdm import tqdm
 
 from nimble.cudagraph import capture_graph
 
-from .cli import int_list
+from .cli import int_list, model_list
 from .env import environment, gpu_slug, host_load
 from .store import append_table_row
 from .timing import measure
@@ -203,6 +210,54 @@ def measure_chain(spec: ChainSpec, *, warmup: int = 10, iters: int = 100) -> dic
             "warmup": warmup, "iters": iters}
 
 
+def measure_training(name: str, batch_size: int, sides: list[str], *, warmup: int = 10,
+                     iters: int = 100) -> list[dict]:
+    """Time ``name``'s captured training step (Adam, random 1000-class labels) as it is and
+    with one tiny side operation (``sides``: copy, kernel, inline) and a wait for it after
+    its middle module; one row per variant, all in this process on one model."""
+    from torch.nn import functional as F
+    from tensile.graph import GraphStep
+    from tensile.step import training_step
+    from .models import build_model, example_input
+
+    model = build_model(name).cuda().train()
+    opt = torch.optim.Adam(model.parameters(), capturable=True)
+    batch = (example_input(name, batch_size, "cuda"),
+             torch.randint(0, 1000, (batch_size,), device="cuda"))
+    modules = [m for m in model.modules() if not list(m.children())]
+    middle = modules[len(modules) // 2]
+    small = torch.ones(1024, device="cuda")
+    host = torch.empty(1024, pin_memory=True)
+    side_stream, now = torch.cuda.Stream(), {"side": "none"}
+
+    def hook(_m, _inp, _out):   # one side operation, and a wait for it, mid-forward
+        side, compute = now["side"], torch.cuda.current_stream()
+        if side == "inline":
+            host.copy_(small, non_blocking=True)
+        elif side != "none":
+            side_stream.wait_stream(compute)
+            with torch.cuda.stream(side_stream):
+                _move(side, host, small)
+            compute.wait_stream(side_stream)
+
+    handle = middle.register_forward_hook(hook)
+    rows = []
+    try:
+        for side in ["none"] + [x for x in sides if x != "none"]:
+            now["side"] = side
+            step = GraphStep(lambda b, capturing: training_step(model, opt, b, F.cross_entropy),
+                             batch, model, opt)
+            timing = measure(step, batch, warmup=warmup, iters=iters)
+            rows.append({"model": name, "batch_size": batch_size, "side": side,
+                         "waits": int(side not in ("none", "inline")), "median_ms": timing.median_ms,
+                         "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms,
+                         "warmup": warmup, "iters": iters})
+            del step
+    finally:
+        handle.remove()
+    return rows
+
+
 def _choices(allowed: tuple[str, ...]):
     """An argparse type: a comma-separated list of ``allowed`` names."""
     def parse(text: str) -> list[str]:
@@ -225,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", type=int, default=1000, help="matrix products in the chain")
     parser.add_argument("--dim", type=int, default=640, help="their matrices' side")
     parser.add_argument("--mib", type=float, default=2.0, help="MiB per swapped tensor")
+    parser.add_argument("--models", type=model_list, default=None,
+                        help="training steps of these models instead of the chain")
+    parser.add_argument("--batch", type=int, default=16, help="their batch size")
     parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
     parser.add_argument("--iters", type=int, default=100, help="timed replays (>= 100 for the protocol)")
     args = parser.parse_args(argv)
@@ -232,6 +290,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("this experiment captures CUDA graphs: no CUDA device is available here")
     out = Path(args.results) / gpu_slug() / "join_cost.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**environment("cuda"), **host_load()}
+    if args.models:
+        for name in tqdm(args.models, desc="join_cost", unit="model"):
+            rows = measure_training(name, args.batch, args.side, iters=args.iters)
+            for row in rows:
+                row["extra_ms"] = row["median_ms"] - rows[0]["median_ms"]
+                append_table_row(out, {**row, **env})
+                print(f"{name} b{args.batch} side={row['side']:6s}: {row['median_ms']:.3f} ms "
+                      f"(p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}), "
+                      f"{row['extra_ms']:+.3f} ms", flush=True)
+        return 0
     nbytes = int(args.mib * (1 << 20)) // 4 * 4
     if not set(args.timed) <= {0, 1}:
         parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
@@ -241,7 +310,6 @@ def main(argv: list[str] | None = None) -> int:
               if s for g in args.group if s % g == 0 for j in JOINS
               if not (j == "none" and g > 1)            # no waits: groups change nothing
               and not (side == "inline" and (j != "none" or f != "each"))]   # nothing to wait for
-    env = {**environment("cuda"), **host_load()}
     free = {}   # the step without waits, per setting: measured before those with waits
     for spec in tqdm(specs, desc="join_cost", unit="chain"):
         row = measure_chain(spec, iters=args.iters)

@@ -72,3 +72,6 @@ def test_a_replay_brings_every_swapped_tensor_back_and_the_cli_writes_rows(tmp_p
     rows = pd.read_csv(next(tmp_path.glob("*/join_cost.csv"))).iloc[15:]
     assert sorted(rows["side"]) == ["copy"] + ["inline"] + ["kernel"] * 4   # 0 swaps: side=copy
     assert set(rows[rows["side"] == "inline"]["joins"]) == {"none"}
+    trained = join_cost.measure_training("mobilenet_v2", 2, ["kernel", "inline"], iters=100)
+    assert [r["side"] for r in trained] == ["none", "kernel", "inline"]
+    assert all(r["median_ms"] > 0 and r["iters"] == 100 for r in trained)
