@@ -32,7 +32,8 @@ step, as it slows the chain?
 
     python -m experiments.join_cost --models resnet50,inception_v4 --batch 16 --side copy,kernel,inline
 
-Rows go to ``<results>/<gpu>/join_cost.csv`` with the environment; ``per_wait_us`` is the step
+Rows go to ``<results>/<gpu>/join_cost.csv`` (``join_cost_training.csv`` with ``--models``)
+with the environment; ``per_wait_us`` is the step
 time over the same chain's copies without waits, per wait the compute stream makes. Needs CUDA.
 """
 from __future__ import annotations
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**environment("cuda"), **host_load()}
     if args.models:
+        out = out.with_name("join_cost_training.csv")
         for name in tqdm(args.models, desc="join_cost", unit="model"):
             rows = measure_training(name, args.batch, args.side, iters=args.iters)
             for row in rows:
