@@ -120,6 +120,9 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"experiment.swap_cost_ms must be a time in ms >= 0, or null for each "
                           f"method's own (tensile_graph: {CAPTURED_SWAP_COST_MS:g}, tensile: 0), "
                           f"got {sc!r}")
+    tc = exp.get("time_captured_copies", False)
+    if not isinstance(tc, bool):
+        raise ConfigError(f"experiment.time_captured_copies must be true or false, got {tc!r}")
     ra = exp.get("rebuild_ahead", 0)
     if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
         raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
@@ -306,6 +309,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"rebuild_ahead={exp.rebuild_ahead:g}")
         if exp.get("swap_cost_ms") is not None:
             knobs.append(f"swap_cost_ms={exp.swap_cost_ms:g}")
+        if name == "tensile_graph" and exp.get("time_captured_copies", False):
+            knobs.append("time_copies")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
@@ -753,6 +758,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["rebuild_ahead"] = float(exp.rebuild_ahead)
             if exp.get("swap_cost_ms") is not None:
                 opts["swap_cost_ms"] = float(exp.swap_cost_ms)
+        if name == "tensile_graph" and exp.get("time_captured_copies", False):
+            opts["time_copies"] = True
         return opts
     return {}
 

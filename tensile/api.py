@@ -454,7 +454,8 @@ class Scheduler:
             self._talk_to_scheduler(res.iter_ms if not init else None, res.op_ms, start_s)
         return res.loss
 
-    def capture(self, *batch, warmup: int = 1, plan_for_graph: bool = True) -> GraphStep:
+    def capture(self, *batch, warmup: int = 1, plan_for_graph: bool = True,
+                time_copies: bool = False) -> GraphStep:
         """This scheduled step captured into one CUDA graph (:mod:`tensile.graph`): calling
         the result with a batch runs forward, backward and ``optimizer.step()`` with the
         plan's copies and recomputes, and no host work.
@@ -475,6 +476,11 @@ class Scheduler:
         process sends the captured step's op times to it (``retimed``), captures the plan
         that comes back, and should train with :meth:`replay`, which captures again when
         the scheduler sends a new plan (another job came or left).
+
+        ``time_copies=True`` records timing events around every copy in the graph, so that
+        ``runner.captured_copy_rates()`` tells the copies' bandwidths after a replay; they
+        slow each wait for a copy (about 10 µs against 1-3 on the H200), so they are off by
+        default.
         """
         if self.simulate:
             raise ValueError("capture needs CUDA; this scheduler simulates on the CPU")
@@ -492,6 +498,7 @@ class Scheduler:
         if plan_for_graph:
             self._plan_for_captured_step(batch, warmup)
         self._graph_plan = self.plan
+        self.runner.time_captured_copies = time_copies
         graph = GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
                           batch, self.model, self.optimizer, warmup=warmup)
         self.captures += 1

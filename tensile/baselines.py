@@ -30,7 +30,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   in backward, Adam's state streamed from the host; 0: not; ``stream_prefetch``: its groups
   copied in ahead; ``stream_resident``: its first groups whose state stays on the device, or
   ``"auto"``: chosen by :func:`tensile.tune_resident` within ``stream_overhead`` of the step,
-  for ``stream_jobs`` jobs sharing the link);
+  for ``stream_jobs`` jobs sharing the link); ``time_copies=True``: timing events around
+  the graph's copies (the row's ``*_gbps_captured``; they slow each wait for a copy, see
+  ``Scheduler.capture``);
 * ``streamed_graph``: the vanilla step captured with :func:`tensile.stream_optimizer`
   installed and no plan: what the streaming alone saves and costs (same options);
 * ``checkpoint_graph``: ``checkpoint``'s step captured the same way, the like-for-like
@@ -346,7 +348,7 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
                    stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
-                   stream_jobs: int = 1, **scheduler_kwargs) -> StepFn:
+                   stream_jobs: int = 1, time_copies: bool = False, **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
@@ -362,7 +364,7 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
-    graph = sched.capture(*example_batch)
+    graph = sched.capture(*example_batch, time_copies=time_copies)
     report = sched.report()   # the captured plan's (the graph keeps it: no later re-plan)
     # the least any plan could have been priced at (budgeted plans): a linear program that
     # takes up to a second, solved when first asked, so it stays out of the prepare time

@@ -408,6 +408,7 @@ class PlanRunner:
         self._prev_iter = None
         self.capturing = False   # this step is being captured into a CUDA graph
         self.captured_copies: list = []   # the capture's copies: (direction, bytes, start, end)
+        self.time_captured_copies = False  # timing events around a capture's copies (see _timed_copy)
         if not recording.boundaries or len(recording.funcs) != len(self.nodes):
             raise ValueError("the recording has no anchors (op objects, phase changes): "
                              "record it with tensile.record.record_step")
@@ -1074,8 +1075,15 @@ class PlanRunner:
     @contextlib.contextmanager
     def _timed_copy(self, direction: str, nbytes: int, stream):
         """On timed steps, time the copy made inside (events on ``stream``; host clock in
-        simulation) for :meth:`_count_copies`. In a capture, external timing events go into
-        the graph with the copy: :meth:`captured_copy_rates` reads them after a replay."""
+        simulation) for :meth:`_count_copies`. In a capture, only if ``time_captured_copies``
+        (``Scheduler.capture(time_copies=True)``): external timing events go into the graph
+        with the copy, and :meth:`captured_copy_rates` reads them after a replay. Off by
+        default: on the H200 a wait for a copy between such events cost about 10 µs against
+        1-3 µs without (``experiments.join_cost --timed``, results/h200/README.md, thirtieth
+        session), and a captured step waits twice per swap."""
+        if self.capturing and not self.time_captured_copies:
+            yield
+            return
         if self.capturing:
             start, end = (torch.cuda.Event(enable_timing=True, external=True) for _ in range(2))
             start.record(stream)

@@ -303,6 +303,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.swap_cost_ms=-0.1"], r"swap_cost_ms must be a time in ms >= 0, or null"),
+    (["experiment.time_captured_copies=2"], "experiment.time_captured_copies must be true or false, got 2"),
     (["experiment.rebuild_ahead=-2"], r"rebuild_ahead must be a number of rerun times >= 0 \(0: "
                                       r"rebuild on demand\), got -2"),
     (["experiment.stream_optimizer=-1"], r"stream_optimizer must be a number of parameter groups >= 0"),
@@ -527,6 +528,12 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run._method_opts("tensile", bn, "cpu", None, None, {})["batch_norm_from_stats"]
     assert "batch_norm_from_stats" not in tensile_run._method_opts("vdnn", bn, "cpu", None, None, {})
     assert tensile_run.method_label("graph", mo) == "graph"
+    tc = _compose(["experiment=tensile", "experiment.time_captured_copies=true"]).experiment
+    assert tensile_run.method_label("tensile_graph", tc) == "tensile_graph(time_copies)"
+    assert tensile_run.method_label("tensile", tc) == "tensile"   # captured only
+    assert tensile_run._method_opts("tensile_graph", tc, "cuda", None, None, {})["time_copies"] is True
+    assert "time_copies" not in tensile_run._method_opts("tensile_graph", exp, "cuda", None, None, {})
+    assert "time_copies" not in tensile_run._method_opts("tensile", tc, "cpu", None, None, {})
     lat = _compose(["experiment=tensile", "experiment.max_overhead=0.08",
                     "experiment.copy_latency_ms=0.05"]).experiment
     assert tensile_run.method_label("tensile_graph", lat) == \

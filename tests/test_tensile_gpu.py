@@ -177,9 +177,11 @@ def _captured_vanilla(data, width: int, factory=make_cnn):
     return model, opt, graph
 
 
-def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0, **sched_kwargs):
+def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0,
+                      time_copies: bool = False, **sched_kwargs):
     """Two ordinary scheduled steps, then the planned step captured and replayed over the rest
-    (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups)."""
+    (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups; ``time_copies``:
+    timing events around the graph's copies)."""
     model = factory(width=width)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     if stream_groups:
@@ -188,7 +190,7 @@ def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0
     sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **sched_kwargs)
     for b in data[:2]:
         sched.step(*b)
-    graph = sched.capture(*data[0])
+    graph = sched.capture(*data[0], time_copies=time_copies)
     for b in data[2:]:
         graph(*b)
     torch.cuda.synchronize()
@@ -212,7 +214,8 @@ def test_captured_swap_plan_trains_bit_identically_to_eager():
     mg, og, _ = _captured_vanilla(data, 32)
     for a, b in zip(states(m0, o0), states(mg, og)):
         assert torch.equal(a, b), "the captured vanilla step differs from eager"
-    m1, o1, sched, _ = _captured_tensile(data, 32, allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12)
+    m1, o1, sched, _ = _captured_tensile(data, 32, allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12,
+                                         time_copies=True)
     assert sched.plan.swaps and not sched.plan.recomputes
     for a, b in zip(states(m0, o0), states(m1, o1)):
         assert torch.equal(a, b), "the captured TENSILE step differs from eager"
@@ -300,6 +303,9 @@ def test_captured_budget_plan_needs_less_memory_than_the_captured_vanilla_step()
           f"TENSILE {graph.peak_bytes / 2**20:.1f} MiB; pools {vanilla.pool_bytes / 2**20:.1f} / "
           f"{graph.pool_bytes / 2**20:.1f} MiB", sep="\n")
     assert sched.plan.swaps or sched.plan.recomputes
+    assert not sched.runner.captured_copies      # copies are not timed unless asked
+    assert sched.runner.captured_copy_rates() == {"d2h_bytes_per_s": None, "h2d_bytes_per_s": None,
+                                                   "copy_ms": None}
     assert graph.peak_bytes < vanilla.peak_bytes
     for a, b in zip(states(m0, o0), states(m1, o1)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
