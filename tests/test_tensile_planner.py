@@ -307,6 +307,33 @@ def test_the_plan_is_the_best_of_swaps_first_or_not_and_transient_rebuilds_or_no
     check_plan(tl, p, max_overhead=overhead)
 
 
+@st.composite
+def chains(draw):
+    """A chain of layers, each reading the one before (as _chain, with random sizes and
+    times): drops whose rebuilds read other drops, the case of one-off rebuilds."""
+    n = draw(st.integers(5, 14))
+    ms = st.floats(0.1, 3.0)
+    fwd = [(f"layer{k}", "forward", draw(ms), [100 + k - 1] if k else [1], [100 + k])
+           for k in range(n)]
+    bwd = [(f"layer{k}_bwd", "backward", draw(ms),
+            [100 + k, 200 + k + 1] if k < n - 1 else [100 + k], [200 + k]) for k in reversed(range(n))]
+    sizes = {1: MB, **{100 + k: draw(st.sampled_from([1, 2, 4, 8])) * MB for k in range(n)},
+             **{200 + k: MB for k in range(n)}}
+    return AccessTimeline.from_ops(fwd + bwd, sizes, {1: "input"})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tl=chains(), frac=st.floats(0.2, 0.9), swaps=st.booleans(), transient=st.booleans())
+def test_every_greedy_run_is_a_valid_plan_not_only_the_one_kept(tl, frac, swaps, transient):
+    """plan() keeps the best of several greedy runs; each must be valid on its own. A run with
+    one-off rebuilds once dropped an input of such a rebuild until after it (b6e7886)."""
+    budget = max(1, int(frac * tl.vanilla_curve().max()))
+    r = _greedy(tl, budget, 1e3, 1e3, True, False, 0.01, 1, 0.0, 0.0, allow_swaps=swaps,
+                transient=transient)
+    check_plan(tl, r)
+    check_plan(tl, tensile.planner.keep_what_fits(tl, r))
+
+
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "results" / "h200"
 
 
