@@ -266,6 +266,29 @@ def kernels_table(path: Path) -> pd.DataFrame | None:
                                 "busy_share", "costliest kernel", "commit"])
 
 
+def join_cost_tables(gpu_dir: Path) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """The rows of ``join_cost.csv`` and of the older ``join_cost_at_<commit>*.csv`` (written
+    before the ``side`` column: all side=copy), last per chain setting, and of
+    ``join_cost_training.csv`` (last per model, batch and side operation), or None where not
+    measured."""
+    chain_keys = ["kernels", "swaps", "nbytes", "side", "forks", "timed", "group", "joins"]
+    paths = sorted(gpu_dir.glob("join_cost_at_*.csv")) + [gpu_dir / "join_cost.csv"]
+    frames = [pd.read_csv(p, dtype={"commit": str}) for p in paths if p.exists()]
+    frames = [f.assign(side=f["side"] if "side" in f else "copy") for f in frames if len(f)]
+    chain = None
+    if frames:
+        chain = pd.concat(frames).drop_duplicates(chain_keys, keep="last").sort_values(chain_keys)
+        chain = chain.assign(mib=chain["nbytes"] / 2**20)
+        chain = _columns(chain, ["kernels", "swaps", "mib", "side", "forks", "timed", "group",
+                                 "joins", "waits", "median_ms", "p10_ms", "p90_ms",
+                                 "per_wait_us", "commit"])
+    training = _latest_rows(gpu_dir / "join_cost_training.csv", ["model", "batch_size", "side"])
+    if training is not None:
+        training = _columns(training, ["model", "batch_size", "side", "waits", "median_ms",
+                                       "p10_ms", "p90_ms", "extra_ms", "commit"])
+    return chain, training
+
+
 def latency_table(df: pd.DataFrame, experiment: str, mode: str, batch_size: int) -> pd.DataFrame:
     """Model × backend: ``median (p10–p90)`` in ms; ``n/a`` unavailable, ``error``, ``*`` smoke."""
     sel = df[(df["experiment"] == experiment) & (df["mode"] == mode) & (df["batch_size"] == batch_size)]
@@ -1523,6 +1546,20 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "One CUDA graph of K independent copies (`python -m experiments.headroom`); overlap = "
                "one-stream / K-stream time, K = perfect. A multi-stream schedule of one model, whose "
                "branches are fewer and unequal, gains less than this.", "", md_table(headroom), ""]
+
+    chain, training = join_cost_tables(gpu_dir)
+    if chain is not None or training is not None:
+        md += ["## Waits in a captured graph (TENSILE's swaps)", "",
+               "`python -m experiments.join_cost`: a captured chain of matrix products with copies "
+               "out and back on side streams, each done long before the compute stream waits for "
+               "it; per_wait_us = step time over the same chain's without waits, per wait "
+               "(group: copies to one wait; timed: each copy between timing events; side: kernel "
+               "= a side kernel instead of the copy, inline = the copies on the compute stream). "
+               "With `--models`: one side operation and a wait for it in a captured training "
+               "step (extra_ms over the step as captured).", ""]
+        for table in (chain, training):
+            if table is not None:
+                md += [md_table(table), ""]
 
     if kernels is not None:
         md += ["## Kernel census: where a backend's time goes on the GPU", "",

@@ -616,6 +616,31 @@ def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
 
 
+def test_join_cost_rows_get_their_own_section_last_measurement_winning(results):
+    chain = dict(kernels=1000, dim=640, swaps=16, nbytes=2 << 20, joins="both", group=1,
+                 timed=False, forks="each", side="copy", waits=32, median_ms=22.0, p10_ms=21.9,
+                 p90_ms=22.1, warmup=10, iters=100, per_wait_us=1.5, commit="17e2523")
+    again = dict(chain, median_ms=22.2, per_wait_us=7.5)
+    pd.DataFrame([chain, again]).to_csv(results / "h200" / "join_cost.csv", index=False)
+    older = {k: v for k, v in chain.items() if k != "side"}   # rows from before the side column
+    pd.DataFrame([older, dict(older, joins="none", waits=0, per_wait_us=None)]).to_csv(
+        results / "h200" / "join_cost_at_1aabe9a.csv", index=False)
+    step = dict(model="resnet50", batch_size=16, side="kernel", waits=1, median_ms=11.2,
+                p10_ms=11.1, p90_ms=11.3, warmup=10, iters=100, extra_ms=-0.009, commit="6aa0112")
+    pd.DataFrame([step]).to_csv(results / "h200" / "join_cost_training.csv", index=False)
+    chain_table, training = report.join_cost_tables(results / "h200")
+    # the newer file's row of a setting wins; the older file's other setting stays (side=copy)
+    assert list(chain_table["joins"]) == ["both", "none"] and set(chain_table["side"]) == {"copy"}
+    assert chain_table.loc[0, "per_wait_us"] == 7.5
+    assert chain_table.loc[0, "mib"] == 2.0 and chain_table.loc[0, "commit"] == "17e2523"
+    assert list(training["side"]) == ["kernel"]
+    text = report.write_report(results / "h200", results).read_text()
+    assert "## Waits in a captured graph" in text
+    assert "| 1000 | 16 | 2.0 | copy | each | False | 1 | both | 32 | 22.2 |" in text
+    assert "| resnet50 | 16 | kernel | 1 | 11.2 |" in text
+    assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not result CSVs
+
+
 def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     """Allocator share: the jobs' allocator peaks over the GPU memory used above idle (NVML)."""
     store = ResultStore(tmp_path / "h200" / "tensile_multi.csv")
