@@ -120,9 +120,6 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"experiment.swap_cost_ms must be a time in ms >= 0, or null for each "
                           f"method's own (tensile_graph: {CAPTURED_SWAP_COST_MS:g}, tensile: 0), "
                           f"got {sc!r}")
-    tc = exp.get("time_captured_copies", False)
-    if not isinstance(tc, bool):
-        raise ConfigError(f"experiment.time_captured_copies must be true or false, got {tc!r}")
     ra = exp.get("rebuild_ahead", 0)
     if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
         raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
@@ -142,7 +139,8 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
-    for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot"):
+    for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot",
+                 "time_captured_copies"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
             raise ConfigError(f"experiment.{flag} must be true or false, got {exp.get(flag)!r}")
     if exp.get("census", False) and cfg.device.name != "cuda":
