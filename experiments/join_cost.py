@@ -234,7 +234,7 @@ def measure_training(name: str, batch_size: int, sides: list[str], *, warmup: in
     def hook(_m, _inp, _out):   # one side operation, and a wait for it, mid-forward
         side, compute = now["side"], torch.cuda.current_stream()
         if side == "inline":
-            host.copy_(small, non_blocking=True)
+            _move("copy", host, small)
         elif side != "none":
             side_stream.wait_stream(compute)
             with torch.cuda.stream(side_stream):
