@@ -270,6 +270,24 @@ def _choices(allowed: tuple[str, ...]):
     return parse
 
 
+def _chain_specs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[ChainSpec]:
+    """The chains the arguments ask for (the one without swaps first); a setting no chain
+    can have is a usage error."""
+    if not set(args.timed) <= {0, 1}:
+        parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
+    nbytes = int(args.mib * (1 << 20)) // 4 * 4
+    try:
+        specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
+        specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t), f, side)
+                  for side in args.side for f in args.forks for t in args.timed for s in args.swaps
+                  if s for g in args.group if s % g == 0 for j in JOINS
+                  if not (j == "none" and g > 1)            # no waits: groups change nothing
+                  and not (side == "inline" and (j != "none" or f != "each"))]   # nothing to wait for
+    except ValueError as e:
+        parser.error(str(e))
+    return specs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--swaps", type=int_list, default=[0, 16, 48], help="numbers of swaps")
@@ -287,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
     parser.add_argument("--iters", type=int, default=100, help="timed replays (>= 100 for the protocol)")
     args = parser.parse_args(argv)
+    if args.iters < 1 or args.batch < 1:
+        parser.error(f"--iters and --batch must be >= 1, got {args.iters} and {args.batch}")
+    specs = [] if args.models else _chain_specs(args, parser)   # said before anything runs
     if not torch.cuda.is_available():
         parser.error("this experiment captures CUDA graphs: no CUDA device is available here")
     out = Path(args.results) / gpu_slug() / "join_cost.csv"
@@ -303,15 +324,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"(p10 {row['p10_ms']:.3f}, p90 {row['p90_ms']:.3f}), "
                       f"{row['extra_ms']:+.3f} ms", flush=True)
         return 0
-    nbytes = int(args.mib * (1 << 20)) // 4 * 4
-    if not set(args.timed) <= {0, 1}:
-        parser.error(f"--timed: expected 0, 1 or 0,1, got {args.timed}")
-    specs = [ChainSpec(args.kernels, args.dim, 0, nbytes, "none", 1)]
-    specs += [ChainSpec(args.kernels, args.dim, s, nbytes, j, g, bool(t), f, side)
-              for side in args.side for f in args.forks for t in args.timed for s in args.swaps
-              if s for g in args.group if s % g == 0 for j in JOINS
-              if not (j == "none" and g > 1)            # no waits: groups change nothing
-              and not (side == "inline" and (j != "none" or f != "each"))]   # nothing to wait for
     free = {}   # the step without waits, per setting: measured before those with waits
     for spec in tqdm(specs, desc="join_cost", unit="chain"):
         row = measure_chain(spec, iters=args.iters)

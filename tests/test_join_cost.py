@@ -42,6 +42,15 @@ def test_without_cuda_the_cli_says_so(capsys):
     with pytest.raises(SystemExit):
         join_cost.main(["--forks", "each,never"])
     assert "expected a comma-separated list of ('each', 'once'), got 'each,never'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # a chain no arguments can make: said before CUDA is asked
+        join_cost.main(["--swaps", "200"])
+    assert "200 swaps need more than 1000 kernels" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        join_cost.main(["--mib", "0"])
+    assert "need kernels >= 40 and dim, nbytes, group >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        join_cost.main(["--iters", "0"])
+    assert "--iters and --batch must be >= 1, got 0 and 16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         join_cost.main([])
     assert "no CUDA device is available here" in capsys.readouterr().err
