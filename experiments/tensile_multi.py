@@ -138,6 +138,7 @@ from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, file_slug, row_key
 from experiments.timing import summarize_ms
 from tensile import server
+from tensile.planner import CAPTURED_SWAP_COST_MS
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.streamed import DEFAULT_PREFETCH
 
@@ -503,7 +504,9 @@ def run_job(p: dict) -> dict:
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0},
-                          allow_cross_iteration=not captured, **p["rates"])
+                          allow_cross_iteration=not captured,
+                          # a captured step's swaps cost their joins: the joint plan prices them
+                          swap_cost_ms=CAPTURED_SWAP_COST_MS if captured else 0.0, **p["rates"])
         outside["scheduler"] = _outside_allocator_mb(cuda)
         # captured: the first replay() steps, the second captures (after the scheduler's
         # plan for the graph's op times), later ones replay or capture a newer plan

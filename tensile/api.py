@@ -247,8 +247,9 @@ class Scheduler:
     0 (default): each when backward first needs it, on the compute stream. For captured
     steps (:meth:`capture`): uncaptured, an ahead rebuild between two autograd hooks puts
     the backward under the runtime's dispatch mode (host time per op).
-    ``swap_cost_ms`` (local planning): what each swap costs the step beside its hidden
-    copies, priced into the plan (:func:`tensile.planner.plan`); a captured step's are
+    ``swap_cost_ms``: what each swap costs the step beside its hidden copies, priced into
+    the plan (:func:`tensile.planner.plan`; with ``scheduler_socket`` it goes to the
+    scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
     samples of the example batch, not on all of it, and scale the recording to the
@@ -309,9 +310,12 @@ class Scheduler:
             raise ValueError("planner= with scheduler_socket: the scheduler process does the "
                              "planning; leave planner=None (or drop scheduler_socket)")
         if planner is not None or scheduler_socket is not None:
-            # options of local planning with TENSILE's own planner: (value, default)
+            # options of local planning with TENSILE's own planner: (value, default); a
+            # scheduler process takes swap_cost_ms as the job's option
             local = {"max_overhead": (max_overhead, 0.0), "allow_swaps": (allow_swaps, True),
-                     "swap_cost_ms": (swap_cost_ms, 0.0), "rebuild_ahead": (rebuild_ahead, 0.0)}
+                     "rebuild_ahead": (rebuild_ahead, 0.0)}
+            if planner is not None:
+                local["swap_cost_ms"] = (swap_cost_ms, 0.0)
             for name, (value, default) in local.items():
                 if value != default:
                     raise ValueError(f"{name}={value!r} is an option of TENSILE's own planner "
@@ -379,11 +383,13 @@ class Scheduler:
                                  batch_norm_from_stats=batch_norm_from_stats)
         self._measure_next = replan
         if scheduler_socket is not None:  # registered last: nothing after it can fail
-            self.client = TensileClient(
-                scheduler_socket, job_id, weight, **(client_kwargs or {}),
-                options={"allow_recompute": allow_recompute,
-                         "allow_cross_iteration": allow_cross_iteration,
-                         "min_swap_bytes": self.min_bytes})
+            options = {"allow_recompute": allow_recompute,
+                       "allow_cross_iteration": allow_cross_iteration,
+                       "min_swap_bytes": self.min_bytes}
+            if swap_cost_ms:
+                options["swap_cost_ms"] = float(swap_cost_ms)
+            self.client = TensileClient(scheduler_socket, job_id, weight,
+                                        **(client_kwargs or {}), options=options)
             self._server_plan: Plan | None = None
             self._last_contact = time.monotonic()
             self._take(self.client.register(self.timeline, bandwidths=(self.d2h_bw, self.h2d_bw)))

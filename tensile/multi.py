@@ -53,7 +53,7 @@ from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
 from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_overhead,
-                      check_plan_args)
+                      check_plan_args, check_swap_cost)
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -68,6 +68,10 @@ class JobSpec:
     measured wall-clock iteration time (``None``: the sum of op times), ``op_start_ms``
     the measured start of every op relative to the iteration start, ``iter_start_s``
     the start time of one iteration on a clock shared by all jobs (seconds).
+    ``swap_cost_ms``: what each swap adds to the job's step beside its hidden copies (a
+    captured step's joins: :data:`tensile.planner.CAPTURED_SWAP_COST_MS`); it counts in the
+    job's estimated extra time, and under a budget :func:`plan_jobs` keeps the cheaper of
+    the joint plans with and without such swaps.
     """
 
     job_id: str
@@ -79,6 +83,7 @@ class JobSpec:
     allow_recompute: bool = True
     allow_cross_iteration: bool = True
     min_bytes: int = 1
+    swap_cost_ms: float = 0.0
 
 
 @dataclass
@@ -320,32 +325,26 @@ def plan_jobs(
         _positive(j.weight, f"job {j.job_id}: weight")
         if not isinstance(j.min_bytes, (int, np.integer)) or j.min_bytes < 1:
             raise ValueError(f"job {j.job_id}: min_bytes must be an int >= 1, got {j.min_bytes!r}")
+        check_swap_cost(j.swap_cost_ms)
     t0 = time.perf_counter()
     lay = layout_jobs(jobs)
     spec = {j.job_id: j for j in jobs}
-    d2h, h2d = _SharedChannel(lay.cycle_ms), _SharedChannel(lay.cycle_ms)
-    states: dict[str, PlanState] = {}
-    for jid, tl in lay.timelines.items():
-        st = PlanState(tl, d2h_bw, h2d_bw, copy_latency_ms)
-        view = (lay.phases[jid], lay.periods[jid], lay.repeats[jid])
-        st.d2h, st.h2d = _JobChannel(d2h, *view), _JobChannel(h2d, *view)
-        st.reserve_transfers()   # its own copies, on the shared channels now
-        states[jid] = st
-    failed: dict[str, set[tuple[int, int]]] = {jid: set() for jid in states}
 
-    def curve() -> np.ndarray:
-        return lay.joint_curve({jid: st.mem for jid, st in states.items()})
+    def run(no_swaps: frozenset[str]) -> tuple[dict[str, PlanState], np.ndarray]:
+        states = _joint_greedy(jobs, lay, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms,
+                               max_overhead, no_swaps)
+        return states, lay.joint_curve({jid: st.mem for jid, st in states.items()})
 
-    mem = curve()
-    peak_before = int(mem.max())
-    classes = sorted({j.weight for j in jobs})
-    while True:
-        p = int(np.argmax(mem))
-        if budget_bytes is not None and mem[p] <= budget_bytes:
-            break
-        if not _shave_once(p, classes, jobs, lay, states, failed, budget_bytes, max_overhead):
-            break
-        mem = curve()
+    states, mem = run(frozenset())
+    priced = frozenset(j.job_id for j in jobs if j.swap_cost_ms > 0)
+    if budget_bytes is not None and priced and any(states[j].swaps for j in priced):
+        # Under a budget a priced swap may cost more than the recomputes that would free
+        # its bytes instead: plan again without those jobs' swaps, keep the cheaper plan.
+        other = run(priced)
+        if _joint_rank(*other, jobs, budget_bytes) < _joint_rank(states, mem, jobs, budget_bytes):
+            states, mem = other
+    peak_before = int(lay.joint_curve({jid: tl.vanilla_curve()
+                                       for jid, tl in lay.timelines.items()}).max())
 
     plans = {jid: _job_plan(states[jid], spec[jid], budget_bytes, d2h_bw, h2d_bw)
              for jid in states}
@@ -369,17 +368,62 @@ def plan_jobs(
         weights={j.job_id: float(j.weight) for j in jobs})
 
 
+def _joint_greedy(jobs: Sequence[JobSpec], lay: JointLayout, budget_bytes: int | None,
+                  d2h_bw: float, h2d_bw: float, copy_latency_ms: float, max_overhead: float,
+                  no_swaps: frozenset[str]) -> dict[str, PlanState]:
+    """One run of the joint greedy peak shaving; the jobs in ``no_swaps`` only recompute."""
+    d2h, h2d = _SharedChannel(lay.cycle_ms), _SharedChannel(lay.cycle_ms)
+    states: dict[str, PlanState] = {}
+    for jid, tl in lay.timelines.items():
+        st = PlanState(tl, d2h_bw, h2d_bw, copy_latency_ms)
+        view = (lay.phases[jid], lay.periods[jid], lay.repeats[jid])
+        st.d2h, st.h2d = _JobChannel(d2h, *view), _JobChannel(h2d, *view)
+        st.reserve_transfers()   # its own copies, on the shared channels now
+        states[jid] = st
+    failed: dict[str, set[tuple[int, int]]] = {jid: set() for jid in states}
+    classes = sorted({j.weight for j in jobs})
+    mem = lay.joint_curve({jid: st.mem for jid, st in states.items()})
+    while True:
+        p = int(np.argmax(mem))
+        if budget_bytes is not None and mem[p] <= budget_bytes:
+            break
+        if not _shave_once(p, classes, jobs, lay, states, failed, budget_bytes, max_overhead,
+                           no_swaps):
+            break
+        mem = lay.joint_curve({jid: st.mem for jid, st in states.items()})
+    return states
+
+
+def _joint_rank(states: dict[str, PlanState], mem: np.ndarray, jobs: Sequence[JobSpec],
+                budget_bytes: int) -> tuple:
+    """Sort key of joint plans under a budget, best first (as the single-job planner's):
+    feasible, then (none feasible) the lower peak, then the weighted sum of the jobs'
+    estimated extra time over their iterations, then fewer copies."""
+    feasible = int(mem.max()) <= budget_bytes
+    extra = sum(j.weight * _extra_ms(states[j.job_id], j) / states[j.job_id].tl.iteration_ms
+                for j in jobs)
+    return (not feasible, 0 if feasible else int(mem.max()), extra,
+            sum(len(st.swaps) for st in states.values()))
+
+
+def _extra_ms(st: PlanState, job: JobSpec) -> float:
+    """A job's estimated extra time: its recomputes and the price of its swaps."""
+    return float(sum(r.cost_ms for r in st.recomputes)) + job.swap_cost_ms * len(st.swaps)
+
+
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
                 states: dict[str, PlanState], failed: dict[str, set[tuple[int, int]]],
-                budget_bytes: int | None, max_overhead: float) -> bool:
-    """Move one tensor off the device at joint segment ``p`` (weight rule: module doc)."""
+                budget_bytes: int | None, max_overhead: float,
+                no_swaps: frozenset[str] = frozenset()) -> bool:
+    """Move one tensor off the device at joint segment ``p`` (weight rule: module doc);
+    the jobs in ``no_swaps`` are not swapped from."""
     for w in classes:
         group = [j for j in jobs if j.weight == w]
         # Ops of each job at the peak; the job holding the most there goes first.
         at = {j.job_id: int(lay.seg_op[j.job_id][p]) for j in group}
         group.sort(key=lambda j: (-int(states[j.job_id].mem[at[j.job_id]]), j.job_id))
         for j in group:
-            if states[j.job_id].try_swap(at[j.job_id], j.allow_cross_iteration, j.min_bytes,
+            if j.job_id not in no_swaps and states[j.job_id].try_swap(at[j.job_id], j.allow_cross_iteration, j.min_bytes,
                                          failed[j.job_id]):
                 return True
         for j in group:
@@ -399,8 +443,7 @@ def _job_plan(st: PlanState, job: JobSpec, budget: int | None, d2h_bw: float, h2
         swaps=sorted(st.swaps, key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
         recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
         peak_before=int(tl.vanilla_curve().max()), peak_after=int(st.mem.max()),
-        est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes)),
-        iteration_ms=tl.iteration_ms)
+        est_overhead_ms=_extra_ms(st, job), iteration_ms=tl.iteration_ms)
 
 
 def simulate_joint(layout: JointLayout, plans: Mapping[str, Plan | None]) -> np.ndarray:

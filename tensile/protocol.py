@@ -11,7 +11,9 @@ Job → scheduler (``seq`` is optional; the reply carries it back as ``reply_to`
   ``timeline`` (see :func:`timeline_to_wire`), ``op_times_ms`` (one per op),
   ``bandwidths`` ``{"d2h": B/s, "h2d": B/s}``; optional ``iter_ms``, ``op_start_ms``,
   ``iter_start_s`` (as in ``measured``: a job that re-registers sends what it measured)
-  and ``options`` ``{"allow_recompute", "allow_cross_iteration", "min_swap_bytes"}``.
+  and ``options`` ``{"allow_recompute", "allow_cross_iteration", "min_swap_bytes",
+  "swap_cost_ms"}`` (the last: what each swap adds to the job's step, e.g. its joins in a
+  CUDA graph; the joint plan prices swaps with it).
   Reply: the job's first ``plan``.
 * ``measured``: ``iter_ms`` (wall-clock iteration time); optional ``op_times_ms``
   (measured per-op times), ``op_start_ms`` (per-op start relative to the iteration
@@ -211,7 +213,8 @@ def flag(name: str, x: Any) -> bool:
 def options(name: str, x: Any) -> dict:
     if not isinstance(x, dict):
         _fail(name, "an object", x)
-    known = {"allow_recompute": bool, "allow_cross_iteration": bool, "min_swap_bytes": int}
+    known = {"allow_recompute": bool, "allow_cross_iteration": bool, "min_swap_bytes": int,
+             "swap_cost_ms": float}
     for k, v in x.items():
         if k not in known:
             _fail(f"{name}", f"only the keys {sorted(known)}", k)
@@ -219,6 +222,8 @@ def options(name: str, x: Any) -> dict:
             _fail(f"{name}.{k}", "true or false", v)
         if known[k] is int and not (_is_int(v) and v >= 1):
             _fail(f"{name}.{k}", "an int >= 1", v)
+        if known[k] is float and not (_is_num(v) and v >= 0):
+            _fail(f"{name}.{k}", "a finite number >= 0 (ms)", v)
     return dict(x)
 
 

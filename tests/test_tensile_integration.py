@@ -151,6 +151,15 @@ def test_two_jobs_get_their_parts_of_one_joint_plan(sock_path, server, jobs):
                       timeout=10)
 
 
+def test_a_jobs_swap_price_goes_to_the_scheduler(sock_path, server, jobs):
+    """``swap_cost_ms`` with a scheduler process is the job's option: the joint plan prices
+    the job's swaps with it (no budget here: the swaps stay, their price is counted)."""
+    a = jobs(sock_path, "a", swap_cost_ms=0.5)
+    assert a.client.options["swap_cost_ms"] == 0.5
+    assert a.plan.swaps and not a.plan.recomputes
+    assert a.plan.est_overhead_ms == pytest.approx(0.5 * len(a.plan.swaps))
+
+
 def test_no_scheduler_means_vanilla_and_identical_training(sock_path, jobs):
     t0 = time.monotonic()
     s = jobs(sock_path, "alone")  # nobody listens at sock_path
@@ -218,6 +227,9 @@ def test_budget_or_planner_with_a_socket_is_refused(sock_path):
                           planner=tensile.vdnn_plan, scheduler_socket=sock_path, **RATES)
     with pytest.raises(ValueError, match="scheduler_socket"):
         tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, job_id="x", **RATES)
+    with pytest.raises(ValueError, match="swap_cost_ms=0.02 is an option of TENSILE's own planner"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_cost_ms=0.02,
+                          planner=tensile.vdnn_plan, **RATES)
 
 
 def test_local_mode_reports_no_scheduler_and_close_is_harmless():

@@ -175,6 +175,33 @@ def test_joint_plan_prices_reruns_at_a_jobs_rerun_shares():
     assert all(half[s] == pytest.approx(whole[s] / 2) for s in whole)
 
 
+def test_priced_swaps_go_to_an_unpriced_job_or_give_way_to_recomputes():
+    """A job whose swaps cost its step time (a captured step's joins, ``swap_cost_ms``): under
+    a budget the joint plan counts that price, and keeps the plan without such swaps when it
+    is cheaper, as the single-job planner does."""
+    budget = 2 * 33 * MB - 8 * MB    # one 8 MiB swap or rebuild in either job reaches it
+
+    def joint(cost_a, cost_b):
+        jobs = [JobSpec("a", job_timeline(), swap_cost_ms=cost_a),
+                JobSpec("b", job_timeline(), swap_cost_ms=cost_b)]
+        jp = plan_jobs(jobs, budget_bytes=budget, d2h_bw=BW, h2d_bw=BW)
+        check_joint(jobs, jp)
+        assert jp.feasible
+        return jp.plans
+    free = joint(0.0, 0.0)           # ties go to job a: it swaps, for free
+    assert len(free["a"].swaps) == 1 and free["a"].est_overhead_ms == 0
+    one = joint(1e-3, 0.0)           # b's swap is free, a's is not: b swaps instead
+    assert not one["a"].swaps and not one["a"].recomputes and len(one["b"].swaps) == 1
+    assert one["b"].est_overhead_ms == 0
+    cheap = joint(1e-3, 1e-3)        # priced, but cheaper than a 1 ms rerun: kept, and counted
+    assert len(cheap["a"].swaps) == 1 and cheap["a"].est_overhead_ms == pytest.approx(1e-3)
+    dear = joint(10.0, 10.0)         # dearer than a rerun: recomputation only
+    assert not dear["a"].swaps and not dear["b"].swaps
+    rebuilt = dear["a"].recomputes + dear["b"].recomputes
+    assert len(rebuilt) == 1
+    assert dear["a"].est_overhead_ms + dear["b"].est_overhead_ms == pytest.approx(rebuilt[0].cost_ms)
+
+
 # --------------------------------------------------------------------------- errors
 def test_bad_jobs_are_refused():
     tl = job_timeline()
@@ -188,6 +215,8 @@ def test_bad_jobs_are_refused():
         plan_jobs([JobSpec("a", tl, iter_ms=-1.0)], d2h_bw=BW, h2d_bw=BW)
     with pytest.raises(ValueError, match="budget"):
         plan_jobs([JobSpec("a", tl)], budget_bytes=0, d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="swap_cost_ms must be a number of ms >= 0"):
+        plan_jobs([JobSpec("a", tl, swap_cost_ms=-0.01)], d2h_bw=BW, h2d_bw=BW)
 
 
 # --------------------------------------------------------------------------- properties

@@ -156,6 +156,8 @@ def test_frames_round_trip_and_refuse_bad_json():
     ({**register_msg(), "bandwidths": {"d2h": 1e9}}, "register.bandwidths"),
     ({**register_msg(), "options": {"min_swap_bytes": 0}}, "min_swap_bytes"),
     ({**register_msg(), "options": {"recompute": True}}, "only the keys"),
+    ({**register_msg(), "options": {"swap_cost_ms": -1}}, r"options.swap_cost_ms: expected a finite number >= 0"),
+    ({**register_msg(), "options": {"swap_cost_ms": True}}, "swap_cost_ms"),
 ])
 def test_job_messages_are_validated(msg, match):
     with pytest.raises(ProtocolError, match=match):
@@ -244,6 +246,20 @@ def test_a_recompute_allowance_reaches_the_jobs_plans(start_server, clients):
     assert plan.peak_after < plan.peak_before
     with pytest.raises(ValueError, match="max_overhead must be a fraction of the iteration time"):
         SchedulerServer(srv.path.parent / "x.sock", max_overhead=-1)
+
+
+def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients):
+    """``options.swap_cost_ms`` (a captured job's joins): the scheduler prices that job's
+    swaps with it; under a budget the other job, whose swaps are free, takes the swap."""
+    srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
+    a = clients(srv, "a", options={"swap_cost_ms": 1e-3})
+    b = clients(srv, "b")
+    a.register(job_timeline(), bandwidths=BW)
+    b.register(job_timeline(), bandwidths=BW)
+    assert newer(a, 1)
+    plans = srv.last_joint.plans
+    assert srv.last_joint.feasible
+    assert not plans["a"].swaps and len(plans["b"].swaps) == 1
 
 
 def test_arrival_replans_both_jointly(start_server, clients):
