@@ -57,7 +57,9 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   its first one (``plan_versions`` lists them); ``iters_to_steady`` = the first step (0-based,
   warm-up included) after which every iteration time stays within 10 % of the measured
   median, empty if the last one is not; ``passive_swapins``, ``swap_ins``, ``bytes_swapped``
-  (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``); what the
+  (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``; counted on
+  the host, so 0 in a captured job's replays); ``swaps_planned``, ``recomputes_planned``,
+  ``est_overhead_ms``: the job's last plan (what a captured job's graph runs); what the
   last plan assumed beside what the timed steps measured (``SchedulerReport.plan_check()``:
   ``plan_iteration_ms``, ``d2h_gbps_measured``, ``h2d_gbps_measured``,
   ``stall_ms_per_timed_step``); ``outside_allocator_mb_{vanilla,tensile}``: the device's used
@@ -580,6 +582,9 @@ def run_job(p: dict) -> dict:
                        recomputes=after.recomputes - before.recomputes,
                        bytes_swapped=(after.bytes_d2h + after.bytes_h2d
                                       - before.bytes_d2h - before.bytes_h2d),
+                       swaps_planned=after.swaps_planned,
+                       recomputes_planned=after.recomputes_planned,
+                       est_overhead_ms=after.est_overhead_ms,
                        **after.plan_check())
         return out
     finally:
@@ -1048,6 +1053,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
             extra.update({k: res.get(k) for k in (
                 "replans", "plan_versions", "plan_at_first_step", "plans_received", "connected",
                 "passive_swapins", "swap_ins", "recomputes", "bytes_swapped",
+                "swaps_planned", "recomputes_planned", "est_overhead_ms",
                 "plan_iteration_ms", "timed_steps", "d2h_gbps_measured", "h2d_gbps_measured",
                 "stall_ms_per_timed_step")})
             if "stream_tuned" in res:   # --stream-resident auto: what tune_resident chose

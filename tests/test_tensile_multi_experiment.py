@@ -71,6 +71,9 @@ def test_rows_for_every_job_and_the_gpu(copies2):
         assert e["outside_allocator_mb_tensile"] == dict.fromkeys(
             ["on_device", "scheduler", "first_step", "last_step"])
         assert e["bytes_swapped"] >= 0 and e["passive_swapins"] >= 0
+        # what the job's last plan does (a captured job's replays count nothing on the host)
+        assert isinstance(e["swaps_planned"], int) and isinstance(e["recomputes_planned"], int)
+        assert e["est_overhead_ms"] >= 0
         # what the job's last plan assumed; its timed steps (the first measured one) timed
         assert e["plan_iteration_ms"] > 0 and e["timed_steps"] >= 1
         assert e["stall_ms_per_timed_step"] is not None
