@@ -39,7 +39,9 @@ peak first). Within the lowest weight class that can help, a hidden swap is trie
 every job of the class before a recomputation (budget only) is; a job of higher weight
 is touched only when no job of lower weight can lower the current peak at all. So a
 higher weight keeps more of a job resident and away from recomputation and passive
-swap-ins. Without a budget it stops when no hidden swap lowers the peak.
+swap-ins. Without a budget it stops when no hidden swap lowers the peak. A job may price
+its swaps (``JobSpec.swap_cost_ms``, a captured step's joins): under a budget the greedy
+then runs once more without those jobs' swaps and the cheaper joint plan is kept.
 """
 from __future__ import annotations
 
@@ -330,17 +332,13 @@ def plan_jobs(
     lay = layout_jobs(jobs)
     spec = {j.job_id: j for j in jobs}
 
-    def run(no_swaps: frozenset[str]) -> tuple[dict[str, PlanState], np.ndarray]:
-        states = _joint_greedy(jobs, lay, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms,
-                               max_overhead, no_swaps)
-        return states, lay.joint_curve({jid: st.mem for jid, st in states.items()})
-
-    states, mem = run(frozenset())
+    args = (jobs, lay, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, max_overhead)
+    states, mem = _joint_greedy(*args, no_swaps=frozenset())
     priced = frozenset(j.job_id for j in jobs if j.swap_cost_ms > 0)
     if budget_bytes is not None and priced and any(states[j].swaps for j in priced):
         # Under a budget a priced swap may cost more than the recomputes that would free
         # its bytes instead: plan again without those jobs' swaps, keep the cheaper plan.
-        other = run(priced)
+        other = _joint_greedy(*args, no_swaps=priced)
         if _joint_rank(*other, jobs, budget_bytes) < _joint_rank(states, mem, jobs, budget_bytes):
             states, mem = other
     peak_before = int(lay.joint_curve({jid: tl.vanilla_curve()
@@ -370,8 +368,9 @@ def plan_jobs(
 
 def _joint_greedy(jobs: Sequence[JobSpec], lay: JointLayout, budget_bytes: int | None,
                   d2h_bw: float, h2d_bw: float, copy_latency_ms: float, max_overhead: float,
-                  no_swaps: frozenset[str]) -> dict[str, PlanState]:
-    """One run of the joint greedy peak shaving; the jobs in ``no_swaps`` only recompute."""
+                  no_swaps: frozenset[str]) -> tuple[dict[str, PlanState], np.ndarray]:
+    """One run of the joint greedy peak shaving (the jobs in ``no_swaps`` only recompute):
+    each job's planner state and the joint memory curve they make."""
     d2h, h2d = _SharedChannel(lay.cycle_ms), _SharedChannel(lay.cycle_ms)
     states: dict[str, PlanState] = {}
     for jid, tl in lay.timelines.items():
@@ -391,7 +390,7 @@ def _joint_greedy(jobs: Sequence[JobSpec], lay: JointLayout, budget_bytes: int |
                            no_swaps):
             break
         mem = lay.joint_curve({jid: st.mem for jid, st in states.items()})
-    return states
+    return states, mem
 
 
 def _joint_rank(states: dict[str, PlanState], mem: np.ndarray, jobs: Sequence[JobSpec],
@@ -423,7 +422,9 @@ def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: Join
         at = {j.job_id: int(lay.seg_op[j.job_id][p]) for j in group}
         group.sort(key=lambda j: (-int(states[j.job_id].mem[at[j.job_id]]), j.job_id))
         for j in group:
-            if j.job_id not in no_swaps and states[j.job_id].try_swap(at[j.job_id], j.allow_cross_iteration, j.min_bytes,
+            if j.job_id in no_swaps:
+                continue
+            if states[j.job_id].try_swap(at[j.job_id], j.allow_cross_iteration, j.min_bytes,
                                          failed[j.job_id]):
                 return True
         for j in group:
