@@ -398,10 +398,10 @@ def _joint_rank(states: dict[str, PlanState], mem: np.ndarray, jobs: Sequence[Jo
     """Sort key of joint plans under a budget, best first (as the single-job planner's):
     feasible, then (none feasible) the lower peak, then the weighted sum of the jobs'
     estimated extra time over their iterations, then fewer copies."""
-    feasible = int(mem.max()) <= budget_bytes
+    peak = int(mem.max())
     extra = sum(j.weight * _extra_ms(states[j.job_id], j) / states[j.job_id].tl.iteration_ms
                 for j in jobs)
-    return (not feasible, 0 if feasible else int(mem.max()), extra,
+    return (peak > budget_bytes, 0 if peak <= budget_bytes else peak, extra,
             sum(len(st.swaps) for st in states.values()))
 
 
@@ -412,8 +412,7 @@ def _extra_ms(st: PlanState, job: JobSpec) -> float:
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
                 states: dict[str, PlanState], failed: dict[str, set[tuple[int, int]]],
-                budget_bytes: int | None, max_overhead: float,
-                no_swaps: frozenset[str] = frozenset()) -> bool:
+                budget_bytes: int | None, max_overhead: float, no_swaps: frozenset[str]) -> bool:
     """Move one tensor off the device at joint segment ``p`` (weight rule: module doc);
     the jobs in ``no_swaps`` are not swapped from."""
     for w in classes:
