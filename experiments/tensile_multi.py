@@ -64,9 +64,10 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   ``plan_iteration_ms``, ``d2h_gbps_measured``, ``h2d_gbps_measured``,
   ``stall_ms_per_timed_step``); ``outside_allocator_mb_{vanilla,tensile}``: the device's used
   memory minus the job's allocator reservation at stages (``on_device`` after the model and
-  batch moved, ``scheduler`` after TENSILE's set-up, ``first_step``, ``last_step``; empty on
-  CPU): with one job on the GPU, its growth between stages is what the process added outside
-  its allocator;
+  batch moved, ``scheduler`` after TENSILE's set-up, ``first_step``, ``trimmed`` right after a
+  ``--trim-stack``, ``last_step``; empty on CPU): with one job on the GPU, its growth between
+  stages is what the process added outside its allocator; ``stack_released_mb_<phase>``: what
+  ``--trim-stack`` gave back (:func:`tensile.trim_stack`; empty where the phase did not trim);
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and its first measured step (that start-up
@@ -86,6 +87,11 @@ is stopped on the way out. Settings already stored (their ``GPU`` row) are skipp
 ``--redo``. ``--device cpu`` is a smoke mode (32x32 inputs by default, the runtime's
 simulation mode, RSS instead of GPU memory): its rows have ``device`` = cpu, which the report
 treats as smoke rows, as for ``experiment=tensile``.
+
+``--trim-stack tensile`` has TENSILE's jobs give back the thread-stack memory their CUDA
+context reserved (:mod:`tensile.stack`: 264 MiB per process on an H200, most of it never
+used) after their first step; ``--trim-stack all`` has the vanilla jobs do it too, so that the
+NVML MSR is what the plans save alone. The label names the choice.
 
 Without ``--mps`` the job processes take turns on the GPU in time slices; with it they are
 clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs
@@ -152,6 +158,9 @@ __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "r
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "tensile_multi"
 SCENARIOS = ("copies", "mdw", "dynamic")
+# --trim-stack: none; tensile (TENSILE's jobs call tensile.trim_stack after their first
+# step); all (vanilla's jobs too: the NVML MSR is then the plans' own saving)
+TRIM_STACK = {"none": (), "tensile": ("tensile",), "all": ("vanilla", "tensile")}
 PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
 SMOKE_MODELS = ("mobilenet_v2", "googlenet")  # CPU default: the Inceptions need >= 75 px
 NUM_CLASSES = 1000          # TENSILE's workloads (conf/experiment/tensile.yaml)
@@ -216,6 +225,8 @@ class Options:
                                         # or "auto" (tensile.tune_resident, for the setting's jobs)
     stream_overhead: float = DEFAULT_STREAM_OVERHEAD   # ... with "auto": the delay the streaming may add
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
+    trim_stack: str = "none"            # which phases' jobs give back their thread-stack
+                                        # reservation after their first step (TRIM_STACK)
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -247,6 +258,8 @@ def _suffix(opts: Options) -> str:
                               opts.stream_overhead)
     if opts.mps:
         parts.append("mps")
+    if opts.trim_stack != "none":
+        parts.append(f"trim_stack={opts.trim_stack}")
     return "".join("," + p for p in parts)
 
 
@@ -470,10 +483,13 @@ def run_job(p: dict) -> dict:
 
     from experiments import models
     from experiments.tensile_run import _drop_aux_head, classification_loss
-    from tensile import Scheduler, training_step
+    from tensile import Scheduler, training_step, trim_stack
     from tensile.resident import install_streamed
 
     cuda = p["device"] == "cuda"
+    if p.get("trim_stack") and not cuda:
+        raise ValueError("trim_stack gives back a CUDA context's memory: a CPU job has none")
+    stack_released_mb = None
     cmds = _Commands()
     if not cuda:
         torch.set_num_threads(1)  # several jobs share the CPU: no oversubscription
@@ -558,6 +574,9 @@ def run_job(p: dict) -> dict:
             if i == 0:
                 first_peaks = _peaks(cuda)
                 outside["first_step"] = _outside_allocator_mb(cuda)
+                if p.get("trim_stack"):   # after cuDNN's benchmark: see tensile.stack
+                    stack_released_mb = trim_stack() / MB
+                    outside["trimmed"] = _outside_allocator_mb(cuda)
             _emit({"event": "step", "job": p["job_id"], "i": i, "ms": ms, "version": version})
             i += 1
         loss = float(loss)
@@ -566,6 +585,7 @@ def run_job(p: dict) -> dict:
         peak_alloc, peak_reserved = steady.result()
         outside["last_step"] = _outside_allocator_mb(cuda)
         out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
+               "stack_released_mb": stack_released_mb,
                "capture_steps": capture_steps,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
@@ -777,7 +797,7 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "socket": None if sock is None else str(sock), "captured": opts.captured,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
-            "jobs": len(setting.jobs)}
+            "jobs": len(setting.jobs), "trim_stack": phase in TRIM_STACK[opts.trim_stack]}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -1041,6 +1061,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"first_iter_peak_alloc_{name}_mb": res["first_peak_alloc_mb"],
                       f"first_iter_peak_reserved_{name}_mb": res["first_peak_reserved_mb"],
                       f"outside_allocator_mb_{name}": res.get("outside_allocator_mb"),
+                      f"stack_released_mb_{name}": res.get("stack_released_mb"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
                       f"measured_iters_{name}": s["iters"],
                       f"measured_captures_{name}": s["captures"],
@@ -1452,6 +1473,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-overhead", type=float, default=DEFAULT_STREAM_OVERHEAD, metavar="F",
                     help="with --stream-resident auto: the delay allowed, a share of the step "
                          f"(default {DEFAULT_STREAM_OVERHEAD})")
+    ap.add_argument("--trim-stack", choices=tuple(TRIM_STACK), default="none",
+                    help="jobs give back their CUDA context's thread-stack reservation after "
+                         "their first step (tensile.trim_stack): none, tensile (TENSILE's jobs) "
+                         "or all (vanilla's too, so the NVML MSR is the plans' own saving)")
     ap.add_argument("--mps", action="store_true",
                     help="the jobs of both phases share the GPU through a private MPS daemon "
                          "(experiments.mps) instead of time slices (cuda only)")
@@ -1480,8 +1505,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     if args.gpu_index is not None and args.gpu_index < 0:
         ap.error(f"--gpu-index must be >= 0, got {args.gpu_index}")
     if args.device == "cpu" and (args.memory_gb is not None or args.gpu_index is not None
-                                 or args.captured or args.mps):
-        ap.error("--memory-gb, --gpu-index, --captured and --mps are for --device cuda")
+                                 or args.captured or args.mps or args.trim_stack != "none"):
+        ap.error("--memory-gb, --gpu-index, --captured, --mps and --trim-stack are for --device cuda")
     if args.mps and not mps_available():
         ap.error("--mps starts a CUDA MPS daemon: nvidia-cuda-mps-control is not on PATH")
     if args.device == "cuda":
@@ -1520,7 +1545,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
-                   stream_overhead=args.stream_overhead, mps=args.mps)
+                   stream_overhead=args.stream_overhead, mps=args.mps, trim_stack=args.trim_stack)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

@@ -9,7 +9,8 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
 (:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
 (:mod:`tensile.resident`). A job too large to run one step unplanned is recorded at small
-batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
+batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``). ``trim_stack`` gives back
+the thread-stack memory a CUDA context reserves and never uses (:mod:`tensile.stack`).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -21,6 +22,7 @@ from .scale import ScaleError, scale_recording
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .snapshot import PlanningSnapshot
+from .stack import StackReservation, stack_reservation, trim_stack
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 from .resident import tune_resident
@@ -39,4 +41,5 @@ __all__ = [
     "StreamedOptimizer", "stream_optimizer", "tune_resident",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
+    "StackReservation", "stack_reservation", "trim_stack",
 ]

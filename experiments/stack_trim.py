@@ -1,0 +1,132 @@
+"""What a training process holds for thread stacks, what :func:`tensile.trim_stack` gives
+back, and whether the step slows down after it.
+
+    python -m experiments.stack_trim --models resnet50,densenet121 --batch 2,16
+
+Each model and batch size runs in a fresh process (a new CUDA context): the TENSILE
+workload's training step (Adam, 1000 classes, :func:`tensile.training_step`) is captured in
+a CUDA graph (:class:`tensile.GraphStep`) after its warm-up, its replay is timed (the
+suite's protocol: CUDA events, ``--iters`` timed replays after 20 untimed), the stack is
+trimmed, and the replay is timed again in the same process. Memory outside the caching
+allocator = the device's used memory (``cudaMemGetInfo``) minus what the allocator
+reserved: run on an otherwise idle GPU. Rows go to ``<results>/<gpu>/stack_trim.csv``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .cli import int_list, model_list
+
+__all__ = ["measure_trim", "main"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MB = 2**20
+PREFIX = "STACK_TRIM "
+
+
+def _outside_mb() -> float:
+    import torch
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / MB
+
+
+def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
+    """One row: the captured step of ``name`` at ``batch_size`` timed before and after
+    :func:`tensile.trim_stack`, with the memory each side. Call in a fresh process."""
+    import torch
+
+    import tensile
+    from tensile import GraphStep, training_step
+
+    from .env import environment
+    from .models import build_model, example_input
+    from .tensile_run import _drop_aux_head, classification_loss
+    from .timing import measure
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("experiments.stack_trim trims a CUDA context: no CUDA device is available here")
+    model = _drop_aux_head(build_model(name, num_classes=1000)).train().cuda()
+    batch = (example_input(name, batch_size, "cuda"),
+             torch.randint(0, 1000, (batch_size,), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    training_step(model, opt, batch, classification_loss)   # the optimizer's state
+    step = GraphStep(lambda b, capturing: training_step(model, opt, b, classification_loss),
+                     batch, model, opt)
+    row = {"model": name, "batch_size": batch_size, "iters": iters}
+    timings = {}
+    for when in ("before", "after"):
+        if when == "after":
+            row["released_mb"] = tensile.trim_stack() / MB
+            row["outside_mb_trimmed"] = _outside_mb()
+        t = measure(step, batch, warmup=20, iters=iters)
+        timings[when] = t
+        row.update({f"step_ms_{when}": t.median_ms, f"p10_ms_{when}": t.p10_ms,
+                    f"p90_ms_{when}": t.p90_ms, f"outside_mb_{when}": _outside_mb(),
+                    f"stack_bytes_per_thread_{when}": tensile.stack_reservation().bytes_per_thread,
+                    f"stack_mb_{when}": tensile.stack_reservation().bytes / MB})
+    row["reserved_mb"] = torch.cuda.memory_reserved() / MB
+    row["saved_mb"] = row["outside_mb_before"] - row["outside_mb_after"]
+    row["step_ratio"] = timings["after"].median_ms / timings["before"].median_ms
+    return {**row, **environment("cuda")}
+
+
+def _child(name: str, batch: int, iters: int) -> dict:
+    cmd = [sys.executable, "-m", "experiments.stack_trim", "--child", f"{name}:{batch}",
+           "--iters", str(iters)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
+    for line in out.stdout.splitlines():
+        if line.startswith(PREFIX):
+            return json.loads(line[len(PREFIX):])
+    raise RuntimeError(f"{name} b{batch}: the measuring process failed (rc {out.returncode}):\n"
+                       f"{out.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=model_list,
+                        default=["vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121"],
+                        help="comma-separated model names (default: TENSILE's five)")
+    parser.add_argument("--batch", type=int_list, default=[2, 16], help="batch sizes (default 2,16)")
+    parser.add_argument("--iters", type=int, default=200, help="timed replays each side (>= 100)")
+    parser.add_argument("--results", default=str(REPO_ROOT / "results"), help="results folder")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)   # MODEL:BATCH, one row
+    args = parser.parse_args(argv)
+    if args.iters < 100:
+        parser.error(f"--iters must be >= 100 (the suite's timing protocol), got {args.iters}")
+    if args.child:
+        name, batch = args.child.rsplit(":", 1)
+        print(PREFIX + json.dumps(measure_trim(name, int(batch), args.iters)), flush=True)
+        return 0
+    import torch
+
+    from .env import gpu_slug
+    from .store import append_table_row
+    # This process stays without a CUDA context (is_available asks the driver only): its
+    # own context would count in every child's memory outside the allocator.
+    if not torch.cuda.is_available():
+        parser.error("this experiment trims a CUDA context: no CUDA device is available here")
+    jobs = [(m, b) for m in args.models for b in args.batch]
+    for name, batch in tqdm(jobs, desc="stack_trim", unit="job"):
+        row = _child(name, batch, args.iters)
+        out = Path(args.results) / gpu_slug(row["gpu"]) / "stack_trim.csv"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        append_table_row(out, row)
+        print(f"{name} b{batch}: stack {row['stack_mb_before']:.0f} MiB "
+              f"({row['stack_bytes_per_thread_before']} B/thread) -> released "
+              f"{row['released_mb']:.0f} MiB, back to {row['stack_bytes_per_thread_after']} B/thread; "
+              f"outside the allocator {row['outside_mb_before']:.0f} -> {row['outside_mb_after']:.0f} MiB; "
+              f"step {row['step_ms_before']:.3f} -> {row['step_ms_after']:.3f} ms "
+              f"({row['step_ratio']:.3f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
