@@ -254,6 +254,18 @@ def headroom_table(path: Path) -> pd.DataFrame | None:
                                 "host_load_1m", "commit"])
 
 
+def stack_trim_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``stack_trim.csv`` (last measurement per model and batch), or None."""
+    keys = ["model", "batch_size"]
+    df = _latest_rows(path, keys)
+    if df is None:
+        return None
+    return _columns(df, keys + ["stack_bytes_per_thread_before", "stack_mb_before", "released_mb",
+                                "stack_bytes_per_thread_after", "outside_mb_before",
+                                "outside_mb_after", "saved_mb", "step_ms_before", "step_ms_after",
+                                "step_ratio", "commit"])
+
+
 def kernels_table(path: Path) -> pd.DataFrame | None:
     """The rows of ``kernels.csv`` (last census per model, batch and backend), or None."""
     keys = ["model", "batch_size", "backend"]
@@ -1536,7 +1548,11 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "out of EOR too, and with a replayed graph counted at its capture's allocated peak, "
                "as replays allocate nothing: rows from before 2026-11-30 11:40 counted the captures, "
                "so their MSR alloc is about 0); run = the setting's latest "
-               "run (earlier ones stay in tensile_multi.csv). `*` = smoke.", "",
+               "run (earlier ones stay in tensile_multi.csv). `trim_stack=tensile` settings: "
+               "TENSILE's jobs gave back their CUDA context's thread-stack reservation after their "
+               "first step (`tensile.trim_stack`, 264 MiB per process on an H200), the vanilla jobs "
+               "did not, so part of their NVML MSR is that trim and not the plan; `trim_stack=all`: "
+               "both phases' jobs trimmed, so the MSR is the plans' own. `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]
         figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)
@@ -1560,6 +1576,17 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         for table in (chain, training):
             if table is not None:
                 md += [md_table(table), ""]
+
+    stack = stack_trim_table(gpu_dir / "stack_trim.csv")
+    if stack is not None:
+        md += ["## Thread-stack memory a training process holds, and `tensile.trim_stack`", "",
+               "`python -m experiments.stack_trim`: a fresh process per row trains the TENSILE "
+               "workload (Adam, captured step), then gives back its CUDA context's thread-stack "
+               "reservation (stack bytes per thread x the threads the GPU holds). After = after "
+               "the replays timed after the trim, which grow the stack to what their kernels "
+               "need; outside = the device's used memory minus the allocator's reservation; "
+               "step_ratio = the captured step's median after over before, same process.", "",
+               md_table(stack), ""]
 
     if kernels is not None:
         md += ["## Kernel census: where a backend's time goes on the GPU", "",

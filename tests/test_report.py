@@ -616,6 +616,22 @@ def test_headroom_rows_get_their_own_section_last_measurement_winning(results):
     assert set(report.load_rows(results / "h200")["experiment"]) == {"inference", "training"}  # not a result CSV
 
 
+def test_stack_trim_rows_get_their_own_section_last_measurement_winning(results):
+    path = results / "h200" / "stack_trim.csv"
+    row = dict(model="resnet50", batch_size=2, stack_bytes_per_thread_before=1024, stack_mb_before=264.0,
+               released_mb=264.0, stack_bytes_per_thread_after=160, stack_mb_after=41.25,
+               outside_mb_before=770.0, outside_mb_after=548.0, saved_mb=222.0, step_ms_before=5.2,
+               step_ms_after=5.21, step_ratio=1.002, commit="a")
+    pd.DataFrame([row, dict(row, step_ms_after=5.19, step_ratio=0.998, commit="17e2523")]).to_csv(
+        path, index=False)
+    table = report.stack_trim_table(path)
+    assert len(table) == 1 and table.loc[0, "step_ratio"] == 0.998
+    assert table.loc[0, "commit"] == "17e2523"
+    text = report.write_report(results / "h200", results).read_text()
+    assert "## Thread-stack memory a training process holds" in text
+    assert "| resnet50 | 2 | 1024 | 264.0 | 264.0 | 160 | 770.0 | 548.0 | 222.0 | 5.2 | 5.19 | 0.998 |" in text
+
+
 def test_join_cost_rows_get_their_own_section_last_measurement_winning(results):
     chain = dict(kernels=1000, dim=640, swaps=16, nbytes=2 << 20, joins="both", group=1,
                  timed=False, forks="each", side="copy", waits=32, median_ms=22.0, p10_ms=21.9,
