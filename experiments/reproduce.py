@@ -6,7 +6,8 @@ On a CUDA host: the stream analysis, each sweep preset through the Hydra app in 
 (``python -m experiments.run +sweep=<name>``, so Hydra does the sweeping and rows already
 measured are skipped), TENSILE's plans (and its equal-peak jobs' bounds) worked out on the CPU
 for this GPU's step times, the
-several-jobs settings, the concurrency headroom, a kernel census, one profiler trace for the per-stream
+several-jobs settings, the concurrency headroom, the thread-stack memory of a training process
+(:mod:`experiments.stack_trim`), a kernel census, one profiler trace for the per-stream
 timeline, then the report.
 
 On a host without CUDA: the stream analysis, TENSILE's plans for the H200's committed step
@@ -91,6 +92,8 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         steps.append(("concurrency headroom: K model copies, one stream vs K streams",
                       [sys.executable, "-m", "experiments.headroom", *HEADROOM,
                        "--results", str(RESULTS)]))
+        steps.append(("thread-stack memory per training process, before and after tensile.trim_stack",
+                      [sys.executable, "-m", "experiments.stack_trim", "--results", str(RESULTS)]))
         steps.append(("kernel census: GPU tasks, their time and the GPU's busy share per call",
                       [sys.executable, "-m", "experiments.kernels", *KERNELS,
                        "--results", str(RESULTS)]))
@@ -105,6 +108,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU" for a in TENSILE_MULTI]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")
     skipped.append("kernel census (experiments/kernels.py): needs a CUDA GPU")
+    skipped.append("thread-stack memory (experiments/stack_trim.py): needs a CUDA GPU")
     skipped.append(f"profiler trace of {TRACE_MODEL}: needs a CUDA GPU")
     skipped.append("claims: decided only by full-protocol GPU rows; reports for GPU folders were "
                    "rebuilt from the committed rows, not re-measured")

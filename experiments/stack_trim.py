@@ -9,7 +9,9 @@ a CUDA graph (:class:`tensile.GraphStep`) after its warm-up, its replay is timed
 suite's protocol: CUDA events, ``--iters`` timed replays after 20 untimed), the stack is
 trimmed, and the replay is timed again in the same process. Memory outside the caching
 allocator = the device's used memory (``cudaMemGetInfo``) minus what the allocator
-reserved: run on an otherwise idle GPU. Rows go to ``<results>/<gpu>/stack_trim.csv``.
+reserved, less what NVML saw used before the process touched CUDA (``idle_mb``: other
+processes' contexts, such as ``make reproduce``'s own; 0 without nvidia-ml-py, so then run
+on an otherwise idle GPU). Rows go to ``<results>/<gpu>/stack_trim.csv``.
 """
 from __future__ import annotations
 
@@ -30,11 +32,25 @@ MB = 2**20
 PREFIX = "STACK_TRIM "
 
 
-def _outside_mb() -> float:
+def _idle_mb() -> float | None:
+    """The GPU's used memory before this process's CUDA context exists (NVML), or None."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    from .tensile_multi import _nvml_handle   # the GPU CUDA numbers 0 here
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(pynvml, None)).used / MB
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _outside_mb(idle_mb: float | None) -> float:
     import torch
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / MB
+    return (total - free - torch.cuda.memory_reserved()) / MB - (idle_mb or 0.0)
 
 
 def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
@@ -52,6 +68,7 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
 
     if not torch.cuda.is_available():
         raise RuntimeError("experiments.stack_trim trims a CUDA context: no CUDA device is available here")
+    idle = _idle_mb()   # before this process's first CUDA call
     model = _drop_aux_head(build_model(name, num_classes=1000)).train().cuda()
     batch = (example_input(name, batch_size, "cuda"),
              torch.randint(0, 1000, (batch_size,), device="cuda",
@@ -60,16 +77,16 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
     training_step(model, opt, batch, classification_loss)   # the optimizer's state
     step = GraphStep(lambda b, capturing: training_step(model, opt, b, classification_loss),
                      batch, model, opt)
-    row = {"model": name, "batch_size": batch_size, "iters": iters}
+    row = {"model": name, "batch_size": batch_size, "iters": iters, "idle_mb": idle}
     timings = {}
     for when in ("before", "after"):
         if when == "after":
             row["released_mb"] = tensile.trim_stack() / MB
-            row["outside_mb_trimmed"] = _outside_mb()
+            row["outside_mb_trimmed"] = _outside_mb(idle)
         t = measure(step, batch, warmup=20, iters=iters)
         timings[when] = t
         row.update({f"step_ms_{when}": t.median_ms, f"p10_ms_{when}": t.p10_ms,
-                    f"p90_ms_{when}": t.p90_ms, f"outside_mb_{when}": _outside_mb(),
+                    f"p90_ms_{when}": t.p90_ms, f"outside_mb_{when}": _outside_mb(idle),
                     f"stack_bytes_per_thread_{when}": tensile.stack_reservation().bytes_per_thread,
                     f"stack_mb_{when}": tensile.stack_reservation().bytes / MB})
     row["reserved_mb"] = torch.cuda.memory_reserved() / MB

@@ -494,6 +494,8 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     assert "--batch 1,32" in headroom and "--results" in headroom
     (kernels,) = [c for c in commands if "-m experiments.kernels" in c]
     assert "nimble-inductor-freeze" in kernels and "--results" in kernels
+    (stack,) = [c for c in commands if "-m experiments.stack_trim" in c]
+    assert "--results" in stack
     plain, streamed = [c for c in commands if "-m experiments.tensile_plans" in c]
     assert "--stream-optimizer" not in plain and "--stream-optimizer 16" in streamed
     assert commands.index(plain) > max(i for i, c in enumerate(commands) if "+sweep=" in c)
@@ -515,6 +517,7 @@ def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     assert sum("TENSILE, several jobs" in line for line in skipped) == 3
     assert any("concurrency headroom" in line for line in skipped)
     assert any("kernel census" in line for line in skipped)
+    assert any("thread-stack memory (experiments/stack_trim.py)" in line for line in skipped)
     assert all("needs a CUDA GPU" in line for line in skipped[:-1])
     with pytest.raises(ValueError, match="unknown sweep"):
         reproduce.plan(cuda=True, sweeps=["nope"])
