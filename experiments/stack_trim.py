@@ -85,10 +85,11 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
             row["outside_mb_trimmed"] = _outside_mb(idle)
         t = measure(step, batch, warmup=20, iters=iters)
         timings[when] = t
+        stack = tensile.stack_reservation()
         row.update({f"step_ms_{when}": t.median_ms, f"p10_ms_{when}": t.p10_ms,
                     f"p90_ms_{when}": t.p90_ms, f"outside_mb_{when}": _outside_mb(idle),
-                    f"stack_bytes_per_thread_{when}": tensile.stack_reservation().bytes_per_thread,
-                    f"stack_mb_{when}": tensile.stack_reservation().bytes / MB})
+                    f"stack_bytes_per_thread_{when}": stack.bytes_per_thread,
+                    f"stack_mb_{when}": stack.bytes / MB})
     row["reserved_mb"] = torch.cuda.memory_reserved() / MB
     row["saved_mb"] = row["outside_mb_before"] - row["outside_mb_after"]
     row["step_ratio"] = timings["after"].median_ms / timings["before"].median_ms

@@ -9,8 +9,9 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
 (:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
 (:mod:`tensile.resident`). A job too large to run one step unplanned is recorded at small
-batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``). ``trim_stack`` gives back
-the thread-stack memory a CUDA context reserves and never uses (:mod:`tensile.stack`).
+batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
+``trim_stack`` gives back the thread-stack memory a CUDA context reserves and never uses
+(:mod:`tensile.stack`).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
