@@ -7,7 +7,8 @@ Each model and batch size runs in a fresh process (a new CUDA context): the TENS
 workload's training step (Adam, 1000 classes, :func:`tensile.training_step`) is captured in
 a CUDA graph (:class:`tensile.GraphStep`) after its warm-up, its replay is timed (the
 suite's protocol: CUDA events, ``--iters`` timed replays after 20 untimed), the stack is
-trimmed, and the replay is timed again in the same process. Memory outside the caching
+trimmed, the step is captured again (a graph captured before a trim must not be replayed:
+:mod:`tensile.stack`), and its replay is timed again in the same process. Memory outside the caching
 allocator = the device's used memory (``cudaMemGetInfo``) minus what the allocator
 reserved, less what NVML saw used before the process touched CUDA (``idle_mb``: other
 processes' contexts, such as ``make reproduce``'s own; 0 without nvidia-ml-py, so then run
@@ -75,14 +76,21 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
                            generator=torch.Generator("cuda").manual_seed(0)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     training_step(model, opt, batch, classification_loss)   # the optimizer's state
-    step = GraphStep(lambda b, capturing: training_step(model, opt, b, classification_loss),
-                     batch, model, opt)
+    def capture() -> GraphStep:
+        return GraphStep(lambda b, capturing: training_step(model, opt, b, classification_loss),
+                         batch, model, opt)
+
+    step = capture()
     row = {"model": name, "batch_size": batch_size, "iters": iters, "idle_mb": idle}
     timings = {}
     for when in ("before", "after"):
         if when == "after":
+            del step   # captured before the trim: it must not replay after it
+            torch.cuda.empty_cache()
             row["released_mb"] = tensile.trim_stack() / MB
             row["outside_mb_trimmed"] = _outside_mb(idle)
+            step = capture()
+        row[f"stack_bytes_per_thread_at_capture_{when}"] = tensile.stack_reservation().bytes_per_thread
         t = measure(step, batch, warmup=20, iters=iters)
         timings[when] = t
         stack = tensile.stack_reservation()

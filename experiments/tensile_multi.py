@@ -612,7 +612,8 @@ def run_job(p: dict) -> dict:
 
 class _CapturedVanilla:
     """The vanilla step for ``--captured``: one ordinary step (the optimizer's state),
-    then :class:`tensile.GraphStep` captures it at the second call and replays it."""
+    then :class:`tensile.GraphStep` captures it at the second call and replays it (and
+    captures it again after a ``--trim-stack``)."""
 
     def __init__(self, model, opt, batch: tuple, loss_fn) -> None:
         self.model, self.opt, self.batch, self.loss_fn = model, opt, batch, loss_fn
@@ -620,10 +621,13 @@ class _CapturedVanilla:
         self.captures = 0
 
     def __call__(self):
+        import torch
         from tensile import GraphStep, training_step
         if not self.opt.state:
             return training_step(self.model, self.opt, self.batch, self.loss_fn)
-        if self.graph is None:
+        if self.graph is None or self.graph.stale:   # stale: captured before trim_stack
+            self.graph = None
+            torch.cuda.empty_cache()
             self.graph = GraphStep(lambda b, capturing: training_step(self.model, self.opt, b,
                                                                       self.loss_fn),
                                    self.batch, self.model, self.opt)

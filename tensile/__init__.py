@@ -23,7 +23,7 @@ from .scale import ScaleError, scale_recording
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .snapshot import PlanningSnapshot
-from .stack import StackReservation, stack_reservation, trim_stack
+from .stack import StackReservation, stack_reservation, trim_count, trim_stack
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 from .resident import tune_resident
@@ -42,5 +42,5 @@ __all__ = [
     "StreamedOptimizer", "stream_optimizer", "tune_resident",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
-    "StackReservation", "stack_reservation", "trim_stack",
+    "StackReservation", "stack_reservation", "trim_count", "trim_stack",
 ]

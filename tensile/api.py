@@ -519,8 +519,8 @@ class Scheduler:
     def graph_is_current(self) -> bool:
         """Whether the next :meth:`replay` replays the graph it has, without capturing: a
         graph exists and the current plan is its plan or does what it does."""
-        return self._graph is not None and (self.plan is self._graph_plan
-                                            or self.plan.same_actions(self._graph_plan))
+        return self._graph is not None and not self._graph.stale and (
+            self.plan is self._graph_plan or self.plan.same_actions(self._graph_plan))
 
     def replay(self, *batch) -> torch.Tensor:
         """One training step as a CUDA graph replay; returns the loss (overwritten by the
@@ -529,7 +529,7 @@ class Scheduler:
         The first call runs an ordinary :meth:`step` if none ran yet, then captures
         (:meth:`capture`); later calls replay, and capture again whenever the plan has
         changed since (a scheduler process pushed a new one: it is asked at most every
-        second, between replays). The graph's memory goes back before a new capture.
+        second, between replays) or :func:`tensile.trim_stack` ran since the capture. The graph's memory goes back before a new capture.
         """
         if self._init_pending:
             return self.step(*batch)
@@ -538,8 +538,9 @@ class Scheduler:
         if self._graph is not None and self.plan is not self._graph_plan \
                 and self.plan.same_actions(self._graph_plan):
             self._graph_plan = self.plan   # a new plan that does the same: the graph serves it
-        if self._graph is None or self.plan is not self._graph_plan:
-            # the graph's op times are measured once; a new plan is captured as it comes
+        if self._graph is None or self._graph.stale or self.plan is not self._graph_plan:
+            # the graph's op times are measured once; a new plan is captured as it comes,
+            # and a graph captured before tensile.trim_stack() is captured again
             graph_timed = self._graph is not None or self.captured_vanilla_ms is not None
             self._graph = None
             if self.device.type == "cuda":

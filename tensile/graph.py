@@ -20,7 +20,9 @@ the captured step's peak. Inputs are copied into static tensors before every rep
 
 Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
 optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
-overwritten by the next replay.
+overwritten by the next replay. A graph captured before :func:`tensile.trim_stack` is
+``stale`` and refuses to replay (its kernels keep the stack size of their capture and
+fault after a trim: :mod:`tensile.stack`); capture the step again.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from nimble.cudagraph import capture_graph
 from nimble.capture import check_call_inputs, check_whole_step_allocator, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
+from .stack import trim_count
 from .streams import side_stream
 
 __all__ = ["GraphStep", "warmup_stream"]
@@ -102,10 +105,25 @@ class GraphStep:
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         self.pool_bytes = meter.read()
         self.reserved_bytes = torch.cuda.memory_reserved(device)
+        self.trims_at_capture = trim_count()
+
+    @property
+    def stale(self) -> bool:
+        """Whether :func:`tensile.trim_stack` ran since the capture: the graph must not be
+        replayed (:mod:`tensile.stack`)."""
+        return trim_count() != self.trims_at_capture
+
+    def _check_not_stale(self) -> None:
+        if self.stale:
+            raise RuntimeError("this CUDA graph was captured before tensile.trim_stack(): its "
+                               "kernels keep the thread-stack size of their capture, and a "
+                               "replay after the trim faults the GPU; capture the step again "
+                               "(a new GraphStep, or Scheduler.replay, which does so itself)")
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """One training step on ``batch`` (same shapes, dtypes and device as captured)."""
         check_call_inputs(self.static_batch, batch)
+        self._check_not_stale()
         for static, x in zip(self.static_batch, batch):
             static.copy_(x)
         self.graph.replay()
@@ -117,5 +135,6 @@ class GraphStep:
         so model, optimizer state and the CUDA RNG are put back afterwards."""
         if replays < 1:
             raise ValueError(f"replays: expected at least 1, got {replays}")
+        self._check_not_stale()
         with step_state_kept(self.model, self.optimizer):
             return replay_ms(self.graph, replays)

@@ -19,11 +19,20 @@ How: ``cudaDeviceSetLimit(cudaLimitStackSize, 0)`` through the CUDA runtime libr
 process already mapped (:func:`tensile.streams.find_cudart`), on the device made current.
 The CUDA documentation of ``cuCtxSetLimit``: the driver "automatically increases the
 per-thread stack size for each kernel launch as needed", and setting the limit blocks
-until the device's preceding work is done. So a trim is safe at any time outside a CUDA
-graph capture: a later launch that needs more stack gets it (a one-off wait for the
-device when it grows), and no kernel or result changes. Trim after warm-up (cuDNN's
-benchmark tries many kernels; the reservation keeps the largest stack any of them
-needed); a captured graph's replays grow it as its kernels need, as eager launches do.
+until the device's preceding work is done. A later eager launch that needs more stack gets
+it (a one-off wait for the device when it grows), and no kernel or result changes. Trim
+after warm-up (cuDNN's benchmark tries many kernels; the reservation keeps the largest
+stack any of them needed), and before capturing CUDA graphs.
+
+Hazard, CUDA graphs: a graph keeps the stack size of the moment it was instantiated. On
+the H200 (driver 580, torch 2.11) every ResNet-50 and DenseNet-121 training-step graph
+captured before a trim failed its first replay after it ("unspecified launch failure", or
+a segfault), also after eager steps had grown the limit again and also beside a graph
+captured after the trim; graphs captured after the trim replayed correctly, and so did the
+pre-trim graph once the limit was set back to the size it was captured at
+(``results/h200/excluded/trim_probe_20261203.*``). So every trim counts
+(:func:`trim_count`): :class:`tensile.GraphStep` refuses to replay a graph captured
+before the latest trim, and :meth:`tensile.Scheduler.replay` captures such a step again.
 """
 from __future__ import annotations
 
@@ -34,9 +43,11 @@ import torch
 
 from .streams import _cudart
 
-__all__ = ["StackReservation", "stack_reservation", "trim_stack"]
+__all__ = ["StackReservation", "stack_reservation", "trim_count", "trim_stack"]
 
 CUDA_LIMIT_STACK_SIZE = 0   # cudaLimitStackSize
+
+_trims = 0                  # successful trim_stack calls in this process (module notes)
 
 
 @dataclass(frozen=True)
@@ -96,7 +107,9 @@ def trim_stack(device: torch.device | str | int | None = None) -> int:
     """Give back the thread-stack memory ``device``'s context reserved (module notes):
     set the stack size limit to 0, which the driver raises again for any later kernel
     that needs stack. Returns the bytes released. Waits for the device's queued work; not
-    allowed while a CUDA graph is being captured."""
+    allowed while a CUDA graph is being captured. CUDA graphs captured before the trim
+    must be captured again (module notes)."""
+    global _trims
     dev = _device(device)
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("trim_stack waits for the device: call it outside a CUDA graph capture")
@@ -104,4 +117,11 @@ def trim_stack(device: torch.device | str | int | None = None) -> int:
     with torch.cuda.device(dev):
         _check(_runtime().cudaDeviceSetLimit(ctypes.c_int(CUDA_LIMIT_STACK_SIZE), ctypes.c_size_t(0)),
                "cudaDeviceSetLimit(cudaLimitStackSize, 0)")
+    _trims += 1
     return before.bytes - stack_reservation(dev).bytes
+
+
+def trim_count() -> int:
+    """How many times :func:`trim_stack` changed the stack limit in this process: a CUDA
+    graph captured when the count was lower must not be replayed (module notes)."""
+    return _trims
