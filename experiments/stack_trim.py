@@ -33,8 +33,9 @@ MB = 2**20
 PREFIX = "STACK_TRIM "
 
 
-def _idle_mb() -> float | None:
-    """The GPU's used memory before this process's CUDA context exists (NVML), or None."""
+def _nvml_used_mb() -> float | None:
+    """The GPU's used memory as NVML counts it (all processes and the driver's own), or
+    None without nvidia-ml-py."""
     try:
         import pynvml
     except ImportError:
@@ -47,11 +48,25 @@ def _idle_mb() -> float | None:
         pynvml.nvmlShutdown()
 
 
+def _idle_mb() -> float | None:
+    """The GPU's used memory (NVML) before this process's CUDA context exists, or None."""
+    return _nvml_used_mb()
+
+
 def _outside_mb(idle_mb: float | None) -> float:
+    """What this process holds on the device outside its caching allocator, in MB: NVML's
+    used memory now less ``idle_mb`` and the allocator's reservation. Both from NVML:
+    ``cudaMemGetInfo`` leaves out of its total the memory NVML shows used on an idle GPU
+    (618 MiB on the H200), so used-from-cudaMemGetInfo minus NVML's idle came out 618 MiB
+    low (22a9be9's rows). Without NVML: cudaMemGetInfo's used less the reservation
+    (other processes then count)."""
     import torch
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / MB - (idle_mb or 0.0)
+    used = _nvml_used_mb() if idle_mb is not None else None
+    if used is None:
+        free, total = torch.cuda.mem_get_info()
+        used, idle_mb = (total - free) / MB, 0.0
+    return used - idle_mb - torch.cuda.memory_reserved() / MB
 
 
 def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
