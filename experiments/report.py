@@ -255,11 +255,16 @@ def headroom_table(path: Path) -> pd.DataFrame | None:
 
 
 def stack_trim_table(path: Path) -> pd.DataFrame | None:
-    """The rows of ``stack_trim.csv`` (last measurement per model and batch), or None."""
+    """The rows of ``stack_trim.csv`` (last measurement per model and batch), or None.
+    Rows without ``outside_source`` (22a9be9) took the device's used memory from
+    cudaMemGetInfo and the idle GPU's from NVML, which reads 618 MiB low on the H200: their
+    memory outside the allocator is left blank (``saved_mb``, a difference, stands)."""
     keys = ["model", "batch_size"]
     df = _latest_rows(path, keys)
     if df is None:
         return None
+    source = df["outside_source"] if "outside_source" in df else pd.Series(pd.NA, index=df.index)
+    df.loc[source.isna(), ["outside_mb_before", "outside_mb_after"]] = float("nan")
     return _columns(df, keys + ["stack_bytes_per_thread_before", "stack_mb_before", "released_mb",
                                 "stack_bytes_per_thread_after", "outside_mb_before",
                                 "outside_mb_after", "saved_mb", "step_ms_before", "step_ms_after",
@@ -1582,10 +1587,13 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         md += ["## Thread-stack memory a training process holds, and `tensile.trim_stack`", "",
                "`python -m experiments.stack_trim`: a fresh process per row trains the TENSILE "
                "workload (Adam, captured step), then gives back its CUDA context's thread-stack "
-               "reservation (stack bytes per thread x the threads the GPU holds). After = after "
-               "the replays timed after the trim, which grow the stack to what their kernels "
-               "need; outside = the device's used memory minus the allocator's reservation; "
-               "step_ratio = the captured step's median after over before, same process.", "",
+               "reservation (stack bytes per thread x the threads the GPU holds), and captures "
+               "the step again (a graph captured before a trim faults when replayed after it). "
+               "After = after the replays timed after the trim, which grow the stack to what their "
+               "kernels need; outside = the device's used memory (NVML) above the idle GPU's, "
+               "minus the allocator's reservation (blank for 22a9be9's rows, which read 618 MiB "
+               "low; saved_mb, a difference, stands); step_ratio = the captured step's median "
+               "after over before, same process.", "",
                md_table(stack), ""]
 
     if kernels is not None:

@@ -96,7 +96,8 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
                          batch, model, opt)
 
     step = capture()
-    row = {"model": name, "batch_size": batch_size, "iters": iters, "idle_mb": idle}
+    row = {"model": name, "batch_size": batch_size, "iters": iters, "idle_mb": idle,
+           "outside_source": "nvml" if idle is not None else "cudaMemGetInfo"}
     timings = {}
     for when in ("before", "after"):
         if when == "after":

@@ -621,15 +621,21 @@ def test_stack_trim_rows_get_their_own_section_last_measurement_winning(results)
     row = dict(model="resnet50", batch_size=2, stack_bytes_per_thread_before=1024, stack_mb_before=264.0,
                released_mb=264.0, stack_bytes_per_thread_after=160, stack_mb_after=41.25,
                outside_mb_before=770.0, outside_mb_after=548.0, saved_mb=222.0, step_ms_before=5.2,
-               step_ms_after=5.21, step_ratio=1.002, commit="a")
-    pd.DataFrame([row, dict(row, step_ms_after=5.19, step_ratio=0.998, commit="17e2523")]).to_csv(
-        path, index=False)
-    table = report.stack_trim_table(path)
-    assert len(table) == 1 and table.loc[0, "step_ratio"] == 0.998
-    assert table.loc[0, "commit"] == "17e2523"
+               step_ms_after=5.21, step_ratio=1.002, outside_source="nvml", commit="a")
+    # an older row without outside_source (its outside figures read 618 MiB low): blanked
+    older = dict(row, model="vgg16", outside_mb_before=150.5, outside_mb_after=-71.5,
+                 outside_source=None, commit="22a9be9")
+    pd.DataFrame([row, dict(row, step_ms_after=5.19, step_ratio=0.998, commit="17e2523"),
+                  older]).to_csv(path, index=False)
+    table = report.stack_trim_table(path).set_index("model")
+    assert len(table) == 2 and table.loc["resnet50", "step_ratio"] == 0.998
+    assert table.loc["resnet50", "commit"] == "17e2523"
+    assert table.loc["vgg16", "outside_mb_before"] != table.loc["vgg16", "outside_mb_before"]   # NaN
+    assert table.loc["vgg16", "saved_mb"] == 222.0
     text = report.write_report(results / "h200", results).read_text()
     assert "## Thread-stack memory a training process holds" in text
     assert "| resnet50 | 2 | 1024 | 264.0 | 264.0 | 160 | 770.0 | 548.0 | 222.0 | 5.2 | 5.19 | 0.998 |" in text
+    assert "-71.5" not in text
 
 
 def test_join_cost_rows_get_their_own_section_last_measurement_winning(results):
