@@ -756,8 +756,9 @@ def test_concatenations_are_rebuilt_from_the_inputs_they_joined_kept_once(monkey
 
 
 def test_a_scheduler_says_whether_its_graph_serves_the_current_plan():
-    """Scheduler.graph_is_current: no graph yet, the graph's own plan, a plan that does the
-    same (only times differ), and one that does something else."""
+    """Scheduler.graph_is_current: no graph yet, the graph's own plan, a graph captured
+    before tensile.trim_stack (stale), a plan that does the same (only times differ), and
+    one that does something else."""
     import copy
     import dataclasses
     from types import SimpleNamespace
@@ -767,8 +768,11 @@ def test_a_scheduler_says_whether_its_graph_serves_the_current_plan():
     sched = SimpleNamespace(_graph=None, _graph_plan=None, plan=p)
     current = lambda: Scheduler.graph_is_current.fget(sched)  # noqa: E731
     assert not current()                                       # nothing captured yet
-    sched._graph, sched._graph_plan = object(), p
+    sched._graph, sched._graph_plan = SimpleNamespace(stale=False), p
     assert current()
+    sched._graph.stale = True                                  # captured before trim_stack
+    assert not current()
+    sched._graph.stale = False
     sched.plan = dataclasses.replace(p, iteration_ms=2 * p.iteration_ms)
     assert current()                                           # same actions: no capture
     later = copy.deepcopy(p)
