@@ -11,7 +11,8 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 (:mod:`tensile.resident`). A job too large to run one step unplanned is recorded at small
 batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
 ``trim_stack`` gives back the thread-stack memory a CUDA context reserves and never uses
-(:mod:`tensile.stack`).
+(:mod:`tensile.stack`); graphs captured before it must be captured again (``GraphStep``
+refuses them, ``Scheduler.replay`` re-captures).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
