@@ -8,11 +8,13 @@ workload's training step (Adam, 1000 classes, :func:`tensile.training_step`) is 
 a CUDA graph (:class:`tensile.GraphStep`) after its warm-up, its replay is timed (the
 suite's protocol: CUDA events, ``--iters`` timed replays after 20 untimed), the stack is
 trimmed, the step is captured again (a graph captured before a trim must not be replayed:
-:mod:`tensile.stack`), and its replay is timed again in the same process. Memory outside the caching
-allocator = the device's used memory (``cudaMemGetInfo``) minus what the allocator
-reserved, less what NVML saw used before the process touched CUDA (``idle_mb``: other
-processes' contexts, such as ``make reproduce``'s own; 0 without nvidia-ml-py, so then run
-on an otherwise idle GPU). Rows go to ``<results>/<gpu>/stack_trim.csv``.
+:mod:`tensile.stack`), and its replay is timed again in the same process. Memory outside
+the caching allocator = the device's used memory as NVML counts it, less what NVML saw used
+before the process touched CUDA (``idle_mb``: the driver's own and other processes'
+contexts, such as ``make reproduce``'s own) and what the allocator reserved. Without
+nvidia-ml-py it is ``cudaMemGetInfo``'s used memory less the reservation (run on an
+otherwise idle GPU then); ``outside_source`` names which. Rows go to
+``<results>/<gpu>/stack_trim.csv``.
 """
 from __future__ import annotations
 
@@ -48,11 +50,6 @@ def _nvml_used_mb() -> float | None:
         pynvml.nvmlShutdown()
 
 
-def _idle_mb() -> float | None:
-    """The GPU's used memory (NVML) before this process's CUDA context exists, or None."""
-    return _nvml_used_mb()
-
-
 def _outside_mb(idle_mb: float | None) -> float:
     """What this process holds on the device outside its caching allocator, in MB: NVML's
     used memory now less ``idle_mb`` and the allocator's reservation. Both from NVML:
@@ -84,13 +81,14 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
 
     if not torch.cuda.is_available():
         raise RuntimeError("experiments.stack_trim trims a CUDA context: no CUDA device is available here")
-    idle = _idle_mb()   # before this process's first CUDA call
+    idle = _nvml_used_mb()   # the idle GPU: before this process's first CUDA call
     model = _drop_aux_head(build_model(name, num_classes=1000)).train().cuda()
     batch = (example_input(name, batch_size, "cuda"),
              torch.randint(0, 1000, (batch_size,), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0)))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     training_step(model, opt, batch, classification_loss)   # the optimizer's state
+
     def capture() -> GraphStep:
         return GraphStep(lambda b, capturing: training_step(model, opt, b, classification_loss),
                          batch, model, opt)

@@ -529,7 +529,8 @@ class Scheduler:
         The first call runs an ordinary :meth:`step` if none ran yet, then captures
         (:meth:`capture`); later calls replay, and capture again whenever the plan has
         changed since (a scheduler process pushed a new one: it is asked at most every
-        second, between replays) or :func:`tensile.trim_stack` ran since the capture. The graph's memory goes back before a new capture.
+        second, between replays) or :func:`tensile.trim_stack` ran since the capture. The
+        graph's memory goes back before a new capture.
         """
         if self._init_pending:
             return self.step(*batch)
