@@ -9,7 +9,10 @@ this command appends its rows to ``results/<gpu>/<file>.csv`` here. Rows are raw
 are never edited: a row already present (every column equal) is skipped, every other one
 is appended as it was written (measurement rows through :class:`experiments.store.ResultStore`;
 tables of their own, like the headroom's, line for line). Two files of one name with
-different column lists are refused, never mixed. Side files that experiments write next
+different column lists are refused, never mixed, with one exception: an experiment's own
+table whose newer code added columns (``stack_trim.csv``'s ``outside_source``) is widened
+here, its rows kept as they were with those cells empty. Every file is checked before
+anything is written, so a refused merge leaves this checkout as it was. Side files that experiments write next
 to the rows (TENSILE's several-jobs timelines and their plots, TENSILE's planning snapshots)
 are copied when absent. When a
 different file of that name is here already (the same setting measured in another run, by
@@ -53,6 +56,7 @@ class MergeReport:
     skipped: dict[str, int] = field(default_factory=dict)
     copied: list[str] = field(default_factory=list)
     renamed: dict[str, str] = field(default_factory=dict)
+    widened: dict[str, list[str]] = field(default_factory=dict)   # file -> columns added here
 
     def __str__(self) -> str:
         lines = [f"{name}: {n} row(s) appended, {self.skipped.get(name, 0)} already there"
@@ -60,6 +64,8 @@ class MergeReport:
         lines += [f"{name}: copied" + (f" as {self.renamed[name]} (a different file of that name "
                                        "is here)" if name in self.renamed else "")
                   for name in self.copied]
+        lines += [f"{name}: widened by {', '.join(cols)} (empty in the rows already there)"
+                  for name, cols in self.widened.items()]
         return "\n".join(lines) or "nothing to merge"
 
 
@@ -74,22 +80,25 @@ def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeRepor
     if not any(p.suffix == ".csv" for p in files):
         raise ValueError(f"{source}: expected result files <gpu>/<name>.csv under it, found none")
     report = MergeReport()
-    # Side files first: a side file copied under a new name changes the rows that name it.
+    row_files = [p for p in files
+                 if p.suffix == ".csv" and not any(fnmatch.fnmatch(p.name, s) for s in SIDE_FILES)]
+    # Column lists first, all of them: a refusal must come before anything is written.
+    widen = {path: _columns_to_add(path, dest / path.relative_to(source)) for path in row_files}
+    # Side files next: a side file copied under a new name changes the rows that name it.
     renames: dict[Path, dict[str, str]] = {}        # per <gpu> folder: old name -> new name
     for path in files:
         if any(fnmatch.fnmatch(path.name, pattern) for pattern in SIDE_FILES):
             new_name = _copy_side_file(path, dest / path.relative_to(source), source, report, dry_run)
             if new_name != path.name:
                 renames.setdefault(path.parent, {})[path.name] = new_name
-    for path in files:
-        if path.suffix != ".csv" or any(fnmatch.fnmatch(path.name, p) for p in SIDE_FILES):
-            continue   # report, plots and traces: the report is rebuilt here
+    for path in row_files:        # report, plots and traces are not copied: rebuilt here
         rel = path.relative_to(source)
         target = dest / rel
-        header, target_header = _header(path), _header(target)
-        if target_header is not None and header != target_header:
-            raise ValueError(f"{path} has columns {header}, but {target} has {target_header}: "
-                             "files of two column lists are never mixed")
+        header = _header(path)
+        if widen[path]:
+            report.widened[str(rel)] = widen[path]
+            if not dry_run:
+                _widen(target, header)
         rows = read_rows(path)
         have = {tuple(r.values()) for r in read_rows(target)}
         if header == COLUMNS:   # measurement rows: through the store (normalised, locked)
@@ -115,6 +124,33 @@ def _header(path: Path) -> list[str] | None:
         return None
     with path.open(newline="") as f:
         return next(csv.reader(f), None)
+
+
+def _columns_to_add(path: Path, target: Path) -> list[str]:
+    """The columns ``target`` must gain to take ``path``'s rows: none when the lists agree
+    (or ``target`` is new); ``path``'s extra ones for an experiment's own table that lacks
+    only those. Raises ``ValueError`` for any other difference."""
+    header, target_header = _header(path), _header(target)
+    if target_header is None or header == target_header:
+        return []
+    added = [c for c in header if c not in target_header]
+    if header != COLUMNS and target_header != COLUMNS and added and \
+            [c for c in header if c in target_header] == target_header:
+        return added
+    raise ValueError(f"{path} has columns {header}, but {target} has {target_header}: "
+                     "files of two column lists are never mixed (an experiment's own table "
+                     "may only gain columns, its old ones in the same order)")
+
+
+def _widen(target: Path, header: list[str]) -> None:
+    """Rewrite ``target`` with ``header``; its rows keep every cell, the new columns empty."""
+    rows = read_rows(target)
+    tmp = target.with_name(target.name + ".widening")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=header, restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(target)
 
 
 def _append_plain(target: Path, header: list[str], rows: list[dict]) -> None:

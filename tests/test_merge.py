@@ -113,6 +113,39 @@ def test_an_experiments_own_table_is_merged_line_for_line(tmp_path):
         merge.merge_results(src, dest)
 
 
+def test_an_own_table_that_gained_columns_is_widened_and_its_old_rows_kept(tmp_path):
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "h200").mkdir(parents=True)
+    (dest / "h200").mkdir(parents=True)
+    (dest / "h200" / "stack_trim.csv").write_text("model,idle_mb,saved_mb\nvgg16,3.0,222.1\n")
+    (src / "h200" / "stack_trim.csv").write_text(
+        "model,idle_mb,outside_source,saved_mb\nresnet50,3.0,nvml,252.0\n")
+    rep = merge.merge_results(src, dest, dry_run=True)
+    assert rep.widened == {"h200/stack_trim.csv": ["outside_source"]}
+    assert (dest / "h200" / "stack_trim.csv").read_text().startswith("model,idle_mb,saved_mb\n")
+    rep = merge.merge_results(src, dest)
+    assert "widened by outside_source" in str(rep) and rep.appended == {"h200/stack_trim.csv": 1}
+    assert (dest / "h200" / "stack_trim.csv").read_text() == (
+        "model,idle_mb,outside_source,saved_mb\nvgg16,3.0,,222.1\nresnet50,3.0,nvml,252.0\n")
+    again = merge.merge_results(src, dest)
+    assert again.widened == {} and again.appended == {"h200/stack_trim.csv": 0}
+
+
+def test_a_refused_merge_writes_nothing(tmp_path):
+    """One file that may not be merged stops the whole merge before any file is touched:
+    side files and the other tables stay as they were."""
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    (src / "h200").mkdir(parents=True)
+    (dest / "h200").mkdir(parents=True)
+    (src / "h200" / "headroom.csv").write_text("model,copies\ndarts,2\n")
+    (dest / "h200" / "headroom.csv").write_text("model,overlap\ndarts,1.3\n")  # columns lost
+    (src / "h200" / "tensile_multi_timeline_a.csv").write_text("t,mb\n0,1\n")
+    ResultStore(src / "h200" / "tensile_multi.csv").append(_row("eager", 6.3))
+    with pytest.raises(ValueError, match="may only gain columns"):
+        merge.merge_results(src, dest)
+    assert sorted(p.name for p in (dest / "h200").iterdir()) == ["headroom.csv"]
+
+
 def test_planning_snapshots_travel_with_their_rows(tmp_path):
     """TENSILE's planning snapshots are side files; rows before 2026-12-01 name theirs by
     the writing host's path: a differing one of the same name is kept under its row's date."""
