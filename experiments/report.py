@@ -959,8 +959,18 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
             if g["status"] == "ok" and not g["smoke"] and msr is not None and eor is not None:
                 ok = msr >= p["msr"] and eor <= p["eor"]
                 line["verdict"] = "reproduced" if ok else "not reproduced"
+                if ok and _trimmed_one_side(extras):
+                    line["verdict"] += " (thread stacks trimmed on TENSILE's side only)"
         out.append(line)
     return pd.DataFrame(out)
+
+
+def _trimmed_one_side(jobs: list[dict]) -> bool:
+    """Whether TENSILE's jobs gave back their thread stacks and the vanilla jobs did not
+    (``--trim-stack tensile``): part of such an NVML MSR is the trim, not the plan."""
+    def trimmed(phase: str) -> bool:
+        return any((j.get(f"stack_released_mb_{phase}") or 0) > 0 for j in jobs)
+    return trimmed("tensile") and not trimmed("vanilla")
 
 
 def _used_and_held(gpu: dict, jobs: list[dict], phase: str) -> tuple[float, float] | None:

@@ -718,6 +718,28 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert report.tensile_multi_table(report.load_rows(tmp_path / "h200")).loc[0, "MSR (NVML)"] == 0.9
 
 
+def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_their_stacks(tmp_path):
+    """--trim-stack tensile: part of the NVML MSR is the trim, and the verdict says so."""
+    store = ResultStore(tmp_path / "h200" / "tensile_multi.csv")
+    paper = pd.DataFrame({"model": ["resnet50"], "batch_size": [2], "copies": [1],
+                          "msr": [0.26], "eor": [0.55], "cold_start_msr": [0.04]})
+    for n, (mode, released) in enumerate([("copies:resnet50x1,trim_stack=tensile", (252.0, None)),
+                                          ("copies:resnet50x1,trim_stack=all", (252.0, 250.0)),
+                                          ("copies:resnet50x1", (None, None))]):
+        common = dict(experiment="tensile_multi", mode=mode, model="resnet50", batch_size=2,
+                      status="ok", device="cuda", gpu="NVIDIA H200", warmup=5, iters=50,
+                      date=f"2026-12-03T0{n}:00:00+00:00")
+        store.append({**common, "backend": "GPU", "extra": {
+            "msr_nvml": 0.3, "eor": 0.2, "scenario": "copies", "copies": 1}})
+        store.append({**common, "backend": "resnet50-1", "extra": {
+            "stack_released_mb_tensile": released[0], "stack_released_mb_vanilla": released[1]}})
+    table = report.tensile_multi_table(report.load_rows(tmp_path / "h200"), paper).set_index("setting")
+    assert table.loc["copies:resnet50x1,trim_stack=tensile", "verdict"] == \
+        "reproduced (thread stacks trimmed on TENSILE's side only)"
+    assert table.loc["copies:resnet50x1,trim_stack=all", "verdict"] == "reproduced"
+    assert table.loc["copies:resnet50x1", "verdict"] == "reproduced"
+
+
 def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
     table = pd.DataFrame({"setting": ["copies:resnet50x1", "mdw:a+b+c", "copies:vgg16x1*"],
                           "MSR (NVML)": [-0.04, -0.03, 0.1], "allocator share": [0.46, 0.6, 0.8],
