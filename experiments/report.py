@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -1249,23 +1250,54 @@ def plot_plan_memory(snapshots: dict[str, tuple[Path, dict]]) -> Figure | None:
 
 
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
-    """Per several-jobs setting (:func:`tensile_multi_table`): our MSR on NVML memory beside
-    the allocator share (the most any plan could save there) and the authors' MSR."""
-    t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")]
+    """Per several-jobs setting (:func:`tensile_multi_table`), its options aside: the best
+    MSR on NVML memory of its runs without a thread-stack trim, with TENSILE's jobs trimmed
+    and with every job trimmed, beside the allocator share (the most any plan could save
+    there) and the authors' MSR; below, the EOR of each of those runs and the authors'."""
+    t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
     if t.empty:
         return None
-    bars = [("MSR (NVML)", "ours: MSR (NVML)"), ("allocator share", "allocator share (upper bound)")]
+    t["base"] = t["setting"].str.split(",").str[0]
+    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    # copies settings first, by model and count; then all-models and arrival settings
+    bases = sorted(dict.fromkeys(t["base"]), key=lambda b: (not b.startswith("copies:"),
+                   re.sub(r"x\d+$", "", b), int((re.findall(r"x(\d+)$", b) or ["0"])[0]), b))
+    best = (t.sort_values("MSR (NVML)").groupby(["base", "trim"]).tail(1)
+            .set_index(["base", "trim"]))
+
+    def series(trim: str, col: str) -> np.ndarray:
+        return np.array([best[col].get((b, trim), np.nan) for b in bases], dtype=float)
+
+    def first(col: str) -> np.ndarray:
+        return np.array([t.loc[t["base"] == b, col].max() if col in t else np.nan for b in bases],
+                        dtype=float)
+
+    trims = [(trim, label) for trim, label in (("none", "ours, no trim"),
+                                               ("tensile", "ours, TENSILE's jobs trimmed"),
+                                               ("all", "ours, every job trimmed"))
+             if (t["trim"] == trim).any()]
+    msr_bars = [(series(trim, "MSR (NVML)"), label) for trim, label in trims]
+    msr_bars.append((first("allocator share"), "allocator share (upper bound)"))
+    eor_bars = [(series(trim, "EOR"), label) for trim, label in trims]
     if "paper MSR" in t and t["paper MSR"].notna().any():
-        bars.append(("paper MSR", "TENSILE authors"))
-    x, width = np.arange(len(t)), 0.8 / len(bars)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(t) + 2), 4))
-    for i, (col, label) in enumerate(bars):
-        ax.bar(x + (i - (len(bars) - 1) / 2) * width, t[col].to_numpy(dtype=float), width, label=label)
-    ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xticks(x, [_short_setting(s) for s in t["setting"]], rotation=30, ha="right")
-    ax.set_ylabel("share of used GPU memory")
-    ax.set_title("TENSILE, several jobs: memory saved (NVML) and what a plan can reach")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        msr_bars.append((first("paper MSR"), "TENSILE authors"))
+        eor_bars.append((first("paper EOR"), "TENSILE authors"))
+    x = np.arange(len(bases))
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True,
+                                      figsize=(max(7, 0.8 * len(bases) + 3), 7))
+    colors = {label: f"C{i}" for i, (_, label) in enumerate(msr_bars)}
+    for ax, bars in ((top, msr_bars), (bottom, eor_bars)):
+        width = 0.8 / len(bars)
+        for i, (values, label) in enumerate(bars):
+            ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label,
+                   color=colors[label])
+        ax.axhline(0, color="black", linewidth=0.6)
+    top.set_ylabel("MSR (NVML), share of used GPU memory")
+    bottom.set_ylabel("EOR (of the run above)")
+    bottom.set_xticks(x, [_short_setting(b) for b in bases], rotation=30, ha="right")
+    top.set_title("TENSILE, several jobs: memory saved (NVML), best run per setting, and its "
+                  "extra time")
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
 

@@ -741,14 +741,25 @@ def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_their_stack
 
 
 def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
-    table = pd.DataFrame({"setting": ["copies:resnet50x1", "mdw:a+b+c", "copies:vgg16x1*"],
-                          "MSR (NVML)": [-0.04, -0.03, 0.1], "allocator share": [0.46, 0.6, 0.8],
-                          "paper MSR": [0.257, None, 0.15]})
+    """One group of bars per setting, its options aside: the best run of each trim, the
+    allocator share and the authors' figure; below, those runs' EOR and the authors'."""
+    table = pd.DataFrame({
+        "setting": ["mdw:a+b+c", "copies:resnet50x1", "copies:resnet50x1,max_overhead=0.3",
+                    "copies:resnet50x1,trim_stack=tensile", "copies:vgg16x1*"],
+        "MSR (NVML)": [-0.03, -0.04, 0.2, 0.32, 0.1], "EOR": [0.4, 0.1, 0.7, 0.2, 0.0],
+        "allocator share": [0.6, 0.46, 0.48, 0.47, 0.8],
+        "paper MSR": [None, 0.257, 0.257, 0.257, 0.15], "paper EOR": [None, 0.55, 0.55, 0.55, 0.26]})
     fig = report.plot_tensile_multi_msr(table)
-    ax = fig.axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["resnet50x1", "mdw (3 models)"]  # no smoke
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == \
-        ["ours: MSR (NVML)", "allocator share (upper bound)", "TENSILE authors"]
+    top, bottom = fig.axes
+    assert [t.get_text() for t in bottom.get_xticklabels()] == ["resnet50x1", "mdw (3 models)"]  # no smoke; copies first
+    assert [t.get_text() for t in top.get_legend().get_texts()] == \
+        ["ours, no trim", "ours, TENSILE's jobs trimmed", "allocator share (upper bound)",
+         "TENSILE authors"]
+    heights = [[round(p.get_height(), 3) for p in c] for c in top.containers]
+    assert heights[0] == [0.2, -0.03]            # the better of resnet50x1's untrimmed runs
+    assert heights[1][0] == 0.32 and heights[1][1] != heights[1][1]   # NaN: mdw had no trim
+    assert heights[2] == [0.48, 0.6] and heights[3][0] == 0.257
+    assert [[round(p.get_height(), 3) for p in c] for c in bottom.containers][0] == [0.7, 0.4]
     assert report._short_setting("dynamic:a+b:every=5") == "dynamic (2 models, every=5)"
     assert report.plot_tensile_multi_msr(table.assign(**{"MSR (NVML)": None})) is None
 
