@@ -100,7 +100,9 @@ def merge_results(source: Path, dest: Path, dry_run: bool = False) -> MergeRepor
             if not dry_run:
                 _widen(target, header)
         rows = read_rows(path)
-        have = {tuple(r.values()) for r in read_rows(target)}
+        # in the source's column order, cells a widening adds empty (as in a dry run,
+        # which leaves the file narrow)
+        have = {tuple(r.get(c, "") for c in header) for r in read_rows(target)}
         if header == COLUMNS:   # measurement rows: through the store (normalised, locked)
             rows = [_renamed_side_files(r, renames.get(path.parent, {})) for r in rows]
             new = [r for r in rows if tuple(make_row(**r).values()) not in have]

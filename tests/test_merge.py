@@ -119,12 +119,14 @@ def test_an_own_table_that_gained_columns_is_widened_and_its_old_rows_kept(tmp_p
     (dest / "h200").mkdir(parents=True)
     (dest / "h200" / "stack_trim.csv").write_text("model,idle_mb,saved_mb\nvgg16,3.0,222.1\n")
     (src / "h200" / "stack_trim.csv").write_text(
-        "model,idle_mb,outside_source,saved_mb\nresnet50,3.0,nvml,252.0\n")
+        "model,idle_mb,outside_source,saved_mb\nvgg16,3.0,,222.1\nresnet50,3.0,nvml,252.0\n")
     rep = merge.merge_results(src, dest, dry_run=True)
     assert rep.widened == {"h200/stack_trim.csv": ["outside_source"]}
+    assert rep.appended == {"h200/stack_trim.csv": 1}     # vgg16's row is there already
     assert (dest / "h200" / "stack_trim.csv").read_text().startswith("model,idle_mb,saved_mb\n")
     rep = merge.merge_results(src, dest)
     assert "widened by outside_source" in str(rep) and rep.appended == {"h200/stack_trim.csv": 1}
+    assert rep.skipped == {"h200/stack_trim.csv": 1}
     assert (dest / "h200" / "stack_trim.csv").read_text() == (
         "model,idle_mb,outside_source,saved_mb\nvgg16,3.0,,222.1\nresnet50,3.0,nvml,252.0\n")
     again = merge.merge_results(src, dest)
