@@ -1259,16 +1259,14 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
         return None
     t["base"] = t["setting"].str.split(",").str[0]
     t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
-    # copies settings first, by model and count; then all-models and arrival settings
-    bases = sorted(dict.fromkeys(t["base"]), key=lambda b: (not b.startswith("copies:"),
-                   re.sub(r"x\d+$", "", b), int((re.findall(r"x(\d+)$", b) or ["0"])[0]), b))
+    bases = sorted(dict.fromkeys(t["base"]), key=_setting_order)
     best = (t.sort_values("MSR (NVML)").groupby(["base", "trim"]).tail(1)
             .set_index(["base", "trim"]))
 
     def series(trim: str, col: str) -> np.ndarray:
         return np.array([best[col].get((b, trim), np.nan) for b in bases], dtype=float)
 
-    def first(col: str) -> np.ndarray:
+    def per_setting_max(col: str) -> np.ndarray:
         return np.array([t.loc[t["base"] == b, col].max() if col in t else np.nan for b in bases],
                         dtype=float)
 
@@ -1277,11 +1275,11 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
                                                ("all", "ours, every job trimmed"))
              if (t["trim"] == trim).any()]
     msr_bars = [(series(trim, "MSR (NVML)"), label) for trim, label in trims]
-    msr_bars.append((first("allocator share"), "allocator share (upper bound)"))
+    msr_bars.append((per_setting_max("allocator share"), "allocator share (upper bound)"))
     eor_bars = [(series(trim, "EOR"), label) for trim, label in trims]
     if "paper MSR" in t and t["paper MSR"].notna().any():
-        msr_bars.append((first("paper MSR"), "TENSILE authors"))
-        eor_bars.append((first("paper EOR"), "TENSILE authors"))
+        msr_bars.append((per_setting_max("paper MSR"), "TENSILE authors"))
+        eor_bars.append((per_setting_max("paper EOR"), "TENSILE authors"))
     x = np.arange(len(bases))
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True,
                                       figsize=(max(7, 0.8 * len(bases) + 3), 7))
@@ -1300,6 +1298,14 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+def _setting_order(base: str) -> tuple:
+    """Sort key of a setting without its options: copies settings first, by model and then
+    count (``copies:resnet50x2`` before ``copies:resnet50x10``); then the others by name."""
+    count = re.search(r"x(\d+)$", base)
+    return (not base.startswith("copies:"), base[:count.start()] if count else base,
+            int(count.group(1)) if count else 0, base)
 
 
 def _short_setting(setting: str) -> str:

@@ -761,6 +761,9 @@ def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
     assert heights[2] == [0.48, 0.6] and heights[3][0] == 0.257
     assert [[round(p.get_height(), 3) for p in c] for c in bottom.containers][0] == [0.7, 0.4]
     assert report._short_setting("dynamic:a+b:every=5") == "dynamic (2 models, every=5)"
+    assert sorted(["mdw:a+b", "copies:vgg16x1", "copies:resnet50x10", "copies:resnet50x2"],
+                  key=report._setting_order) == \
+        ["copies:resnet50x2", "copies:resnet50x10", "copies:vgg16x1", "mdw:a+b"]
     assert report.plot_tensile_multi_msr(table.assign(**{"MSR (NVML)": None})) is None
 
 
