@@ -14,6 +14,7 @@ appear in tables marked ``*`` but never decide a claim's verdict.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -32,7 +33,7 @@ __all__ = [
     "speedup_table", "paper_comparison",
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
-    "plot_tensile_multi_msr", "plot_tensile_tradeoff",
+    "plot_tensile_multi_msr", "plot_tensile_multi_tradeoff", "plot_tensile_tradeoff",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
     "nimble_memory_table",
 ]
@@ -1148,35 +1149,38 @@ GPU_EVENT_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Mem
 def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = None,
                           plans: pd.DataFrame | None = None) -> Figure | None:
     """One panel per model at the paper's batch (16): memory saved (MSR) against extra time
-    (EOR) for every method, the TENSILE authors' point, and the target region (MSR at least
-    theirs, EOR at most half of theirs) shaded. A captured TENSILE step is placed by its
-    figures against the captured vanilla step. ``plans`` (``tensile_plans.csv``): what the
-    planner promises for the captured step, as hollow points joined by a dashed line."""
+    (EOR) for every method, one colour per method family (its options aside: the table has
+    them), the TENSILE authors' point, and the target region (MSR at least theirs, EOR at most
+    half of theirs) shaded. A captured TENSILE step is placed by its figures against the
+    captured vanilla step; one measured by older code than its model's newest is a hollow grey
+    point. ``plans`` (``tensile_plans.csv``): what the planner promises for the captured step,
+    as hollow points joined by a dashed line."""
     m = _captured_against_graph(metrics[(metrics["mode"] == "whole-step") & (metrics["batch_size"] == 16)])
     m = m[m["msr"].notna() & m["eor"].notna() & ~m["method"].isin(["vanilla", "graph"])]  # references
     if m.empty:
         return None
+    m = m.assign(family=m["method"].map(_method_family))
+    ours = ("tensile", "streamed")
+    families = sorted(m["family"].unique(), key=lambda f: (not f.startswith(ours), f))
+    style = {f: (f"C{i % 10}", "o" if f.startswith(ours) else "s") for i, f in enumerate(families)}
     models = list(dict.fromkeys(m["model"]))
     cols = min(3, len(models))
     rows_n = -(-len(models) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols + 2.5, 3.6 * rows_n), squeeze=False,
+                             layout="constrained")
     for ax in axes.flat[len(models):]:
         ax.set_visible(False)
     for ax, model in zip(axes.flat, models):
         rows = m[m["model"] == model]
-        captured = rows[rows["method"].str.startswith("tensile_graph")]
-        newest = captured.sort_values("date")["commit"].iloc[-1] if len(captured) else None
-        for _, r in rows.iterrows():
-            ours = str(r["method"]).startswith("tensile")
-            label = r["method"]
-            if str(r["method"]).startswith("tensile_graph") and r["commit"] != newest:
-                # measured by older code than this model's newest captured run: grey, and said so
-                ax.scatter(r["eor"], r["msr"], marker="o", s=30, facecolors="none", edgecolors="gray")
-                label += f" ({r['commit']}, older code)"
-            else:
-                ax.scatter(r["eor"], r["msr"], marker="o" if ours else "s", s=30)
-            ax.annotate(label, (r["eor"], r["msr"]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+        captured = rows["method"].str.startswith("tensile_graph")
+        newest = rows[captured].sort_values("date")["commit"].iloc[-1] if captured.any() else None
+        older = captured & (rows["commit"] != newest)
+        for family, some in rows[~older].groupby("family"):
+            color, marker = style[family]
+            ax.scatter(some["eor"], some["msr"], marker=marker, s=30, color=color, label=family)
+        if older.any():
+            ax.scatter(rows.loc[older, "eor"], rows.loc[older, "msr"], marker="o", s=30,
+                       facecolors="none", edgecolors="gray", label="tensile_graph, older code")
         planned = None if plans is None else plans[
             (plans["model"] == model) & (plans["batch_size"] == 16) & (plans["status"] == "ok")]
         if planned is not None and len(planned):
@@ -1189,15 +1193,29 @@ def plot_tensile_tradeoff(metrics: pd.DataFrame, paper: pd.DataFrame | None = No
             ax.scatter(p["eor"], p["msr"], marker="*", s=120, color="black", label="TENSILE authors")
             ax.fill_between([min(0.0, rows["eor"].min()) - 0.05, p["eor"] / 2], p["msr"], 1.0,
                             color="green", alpha=0.12, label="target")
-            ax.legend(fontsize=7, loc="lower right")
         ax.set_title(model, fontsize=9)
         ax.set_xlabel("EOR (extra time)")
         ax.set_ylim(min(-0.1, rows["msr"].min() - 0.05), 1.0)
     for row in axes:
         row[0].set_ylabel("MSR (memory saved)")
+    _figure_legend(fig, axes, families)
     fig.suptitle("TENSILE, one job, batch 16: memory saved against extra time", fontsize=10)
-    fig.tight_layout()
     return fig
+
+
+def _method_family(method: str) -> str:
+    """``tensile_graph(max_overhead=0.1) vs graph`` -> ``tensile_graph``: a method without its
+    options and without the note that it was judged against the captured vanilla step."""
+    return method.split("(")[0].removesuffix(" vs graph")
+
+
+def _figure_legend(fig: Figure, axes: np.ndarray, order: list[str] | None = None) -> None:
+    """One legend for all panels, right of them, an entry per label (first in ``order``,
+    then as first drawn)."""
+    handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
+    first = [label for label in order or [] if label in handles]
+    labels = first + [label for label in handles if label not in first]
+    fig.legend([handles[label] for label in labels], labels, fontsize=8, loc="outside right upper")
 
 
 def snapshot_file(extra: dict) -> str | None:
@@ -1281,7 +1299,8 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
         msr_bars.append((per_setting_max("paper MSR"), "TENSILE authors"))
         eor_bars.append((per_setting_max("paper EOR"), "TENSILE authors"))
     x = np.arange(len(bases))
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True,
+    # constrained layout leaves room for the legend outside the axes; tight_layout cannot
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, layout="constrained",
                                       figsize=(max(7, 0.8 * len(bases) + 3), 7))
     colors = {label: f"C{i}" for i, (_, label) in enumerate(msr_bars)}
     for ax, bars in ((top, msr_bars), (bottom, eor_bars)):
@@ -1296,7 +1315,54 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     top.set_title("TENSILE, several jobs: memory saved (NVML), best run per setting, and its "
                   "extra time")
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    return fig
+
+
+TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE's jobs trimmed"),
+               "all": ("C2", "ours, every job trimmed")}
+
+
+def plot_tensile_multi_tradeoff(table: pd.DataFrame) -> Figure | None:
+    """One panel per model and copy count of the ``copies`` settings (:func:`tensile_multi_table`):
+    every setting's latest run as memory saved (MSR on NVML memory) against extra time (EOR),
+    coloured by its thread-stack trim, beside the authors' point and the target region (MSR at
+    least theirs at no worse EOR) shaded. The target is a corner of this plane, so a run that
+    saves more at more cost is seen as such, which one best bar per setting hides."""
+    t = table[table["MSR (NVML)"].notna() & table["EOR"].notna()
+              & ~table["setting"].str.endswith("*")].copy()
+    found = t["setting"].str.split(",").str[0].str.extract(r"^copies:(.+)x(\d+)$")
+    t["model"], t["copies"] = found[0], pd.to_numeric(found[1])
+    t = t[t["model"].notna()].astype({"copies": int})
+    if t.empty:
+        return None
+    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    models, counts = sorted(t["model"].unique()), sorted(t["copies"].unique())
+    fig, axes = plt.subplots(len(models), len(counts), squeeze=False, layout="constrained",
+                             figsize=(3.4 * len(counts) + 2, 2.6 * len(models)))
+    for (i, model), (j, count) in itertools.product(enumerate(models), enumerate(counts)):
+        ax, runs = axes[i][j], t[(t["model"] == model) & (t["copies"] == count)]
+        for trim, (color, label) in TRIM_COLORS.items():
+            some = runs[runs["trim"] == trim]
+            if len(some):
+                ax.scatter(some["EOR"], some["MSR (NVML)"], s=22, color=color, label=label)
+        theirs = runs[["paper MSR", "paper EOR"]].dropna() if "paper MSR" in runs else pd.DataFrame()
+        if len(theirs):
+            msr, eor = theirs.iloc[0]
+            ax.scatter([eor], [msr], marker="*", s=130, color="black", label="TENSILE authors")
+            left = min(0.0, runs["EOR"].min()) - 0.05
+            ax.fill_between([left, eor], msr, 1.0, color="green", alpha=0.12, label="target")
+        low, high = runs["MSR (NVML)"].min(), runs["MSR (NVML)"].max()   # NaN for an empty panel
+        ax.set_ylim(min(-0.05, low - 0.05) if len(runs) else -0.05,
+                    max(0.6, high + 0.05) if len(runs) else 0.6)
+        ax.set_title(f"{model} x{count}", fontsize=9)
+        ax.axhline(0, color="black", linewidth=0.5)
+    for ax in axes[-1]:
+        ax.set_xlabel("EOR (extra time)")
+    for row in axes:
+        row[0].set_ylabel("MSR (NVML)")
+    _figure_legend(fig, axes, [label for _, label in TRIM_COLORS.values()])
+    fig.suptitle("TENSILE, several jobs, batch 2: memory saved (NVML) against extra time, "
+                 "each setting's latest run", fontsize=10)
     return fig
 
 
@@ -1609,6 +1675,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]
         figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)
+        figures["tensile_jobs_tradeoff.png"] = plot_tensile_multi_tradeoff(table)
 
     if headroom is not None:
         md += ["## Concurrency headroom: K model copies on one stream vs K streams", "",

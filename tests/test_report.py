@@ -767,6 +767,38 @@ def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
     assert report.plot_tensile_multi_msr(table.assign(**{"MSR (NVML)": None})) is None
 
 
+def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_target_corner():
+    """Every copies setting's latest run as (EOR, MSR), coloured by its trim, in its model's and
+    copy count's panel, beside the authors' point; smoke rows and other scenarios are left out."""
+    table = pd.DataFrame({
+        "setting": ["copies:resnet50x1", "copies:resnet50x1,trim_stack=tensile",
+                    "copies:resnet50x2,max_overhead=0.5,trim_stack=all", "copies:vgg16x2",
+                    "copies:vgg16x1*", "mdw:a+b"],
+        "MSR (NVML)": [0.2, 0.32, 0.12, 0.15, 0.9, 0.5], "EOR": [0.7, 0.2, 0.25, 0.84, 0.0, 0.3],
+        "paper MSR": [0.26, 0.26, 0.33, 0.17, 0.15, None],
+        "paper EOR": [0.55, 0.55, 0.48, 0.47, 0.26, None]})
+    fig = report.plot_tensile_multi_tradeoff(table)
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert sorted(panels) == ["resnet50 x1", "resnet50 x2", "vgg16 x1", "vgg16 x2"]
+
+    def points(title: str) -> dict[str, list[tuple[float, float]]]:
+        return {c.get_label(): [tuple(p) for p in c.get_offsets().tolist()]
+                for c in panels[title].collections if c.get_label() != "target"}
+    assert points("resnet50 x1") == {"ours, no trim": [(0.7, 0.2)],
+                                     "ours, TENSILE's jobs trimmed": [(0.2, 0.32)],
+                                     "TENSILE authors": [(0.55, 0.26)]}
+    assert points("resnet50 x2") == {"ours, every job trimmed": [(0.25, 0.12)],
+                                     "TENSILE authors": [(0.48, 0.33)]}
+    assert points("vgg16 x1") == {}                    # only a smoke row: an empty panel
+    target = [c for c in panels["vgg16 x2"].collections if c.get_label() == "target"][0]
+    corner = target.get_paths()[0].vertices
+    assert corner[:, 0].max() == pytest.approx(0.47) and corner[:, 1].min() == pytest.approx(0.17)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == \
+        ["ours, no trim", "ours, TENSILE's jobs trimmed", "ours, every job trimmed",
+         "TENSILE authors", "target"]
+    assert report.plot_tensile_multi_tradeoff(table[table["setting"] == "mdw:a+b"]) is None
+
+
 def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_against_graph():
     metrics = pd.DataFrame({
         "model": ["resnet50"] * 5 + ["vgg16", "resnet50", "resnet50"], "batch_size": [16] * 8,
@@ -784,12 +816,16 @@ def test_tensile_tradeoff_plot_has_a_panel_per_model_and_places_captured_runs_ag
     fig = report.plot_tensile_tradeoff(metrics, paper)
     panels = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in panels] == ["resnet50", "vgg16"]
-    labels = {t.get_text(): t.xy for t in panels[0].texts}
-    assert labels["tensile_graph vs graph"] == (0.1, 0.5)       # against the captured vanilla step
-    assert labels["tensile_graph(max_overhead=0.1) vs graph (a, older code)"] == (1.5, 0.1)
-    assert labels["checkpoint_graph vs graph"] == (0.3, 0.55)   # the captured built-in, like for like
-    assert "vanilla" not in labels and "graph" not in labels      # the references are not methods
-    assert labels["checkpoint"] == (1.3, 0.4)
+    points = {c.get_label(): sorted(map(tuple, c.get_offsets().tolist()))
+              for c in panels[0].collections if c.get_label() != "target"}
+    assert points["tensile_graph"] == [(0.1, 0.5)]               # against the captured vanilla step
+    assert points["tensile_graph, older code"] == [(1.5, 0.1)]   # the other commit, hollow grey
+    assert points["checkpoint_graph"] == [(0.3, 0.55)]           # the captured built-in, like for like
+    assert "vanilla" not in points and "graph" not in points      # the references are not methods
+    assert points["checkpoint"] == [(1.3, 0.4)] and points["tensile"] == [(1.6, 0.3)]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[:2] == ["tensile", "tensile_graph"] and legend.count("tensile") == 1  # ours first, once
+    assert report._method_family("tensile_graph(max_overhead=0.1) vs graph") == "tensile_graph"
     assert report.plot_tensile_tradeoff(metrics.assign(batch_size=32), paper) is None
     plans = pd.DataFrame({"model": ["resnet50"] * 2, "batch_size": [16, 16], "status": ["ok", "ok"],
                           "est_eor": [0.1, 0.0], "planned_msr": [0.5, 0.07]})
