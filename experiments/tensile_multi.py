@@ -97,6 +97,11 @@ Without ``--mps`` the job processes take turns on the GPU in time slices; with i
 clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs
 side by side (the label says ``mps``).
 
+The job processes inherit the environment, allocator settings included: started with
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, both phases' caching allocators map pages
+as they grow, so what they reserve stays nearer what they allocate, and the label says
+``expandable`` (such a run is its own setting).
+
 ``--stream-resident auto`` lets every TENSILE job choose how many of its streamed optimizer's
 groups stay on the device (:func:`tensile.tune_resident`): the fewest whose copies, with all the
 setting's jobs streaming over one link, delay its step by at most ``--stream-overhead``. The
@@ -145,6 +150,7 @@ from experiments.mps import client_env as mps_client_env
 from experiments.mps import mps_daemon
 from experiments.store import ResultStore, date_stamp, file_slug, row_key
 from experiments.timing import summarize_ms
+from nimble.allocator import allocator_conf, expandable_segments
 from tensile import server
 from tensile.planner import CAPTURED_SWAP_COST_MS
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
@@ -260,6 +266,10 @@ def _suffix(opts: Options) -> str:
         parts.append("mps")
     if opts.trim_stack != "none":
         parts.append(f"trim_stack={opts.trim_stack}")
+    if expandable_segments(allocator_conf()):
+        # the jobs inherit this environment: both phases' allocators map pages as needed, so
+        # what they reserve differs, and such a run is its own setting, not another run of one
+        parts.append("expandable")
     return "".join("," + p for p in parts)
 
 

@@ -203,7 +203,7 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
         assert tuned["delay_ms"] <= 0.1 * tuned["step_ms"] + 1e-6
 
 
-def test_settings_follow_the_scenario_rules():
+def test_settings_follow_the_scenario_rules(monkeypatch):
     opts = tm.Options(warmup=5, iters=30, image_size=224, budget_bytes=2**30)
     copies = tm.build_settings("copies", ["vgg16", "resnet50"], [1, 3], opts)
     assert [s.label for s in copies] == ["copies:vgg16x1,budget=1073741824",
@@ -217,6 +217,10 @@ def test_settings_follow_the_scenario_rules():
     assert [s.label for s in shared] == ["copies:vgg16x2,captured,mps"]
     trimmed = tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224, trim_stack="all"))
     assert [s.label for s in trimmed] == ["copies:vgg16x1,trim_stack=all"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the jobs inherit it
+    assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224))
+            ] == ["copies:vgg16x1,expandable"]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert [tm._payload(trimmed[0].jobs[0], trimmed[0], ph, tm.Options(trim_stack=which), {}, None)
             ["trim_stack"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
             ] == [False, False, False, True, True, True]
