@@ -920,7 +920,8 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
     iterations to a steady state; for ``copies`` settings the authors' figures (``paper``:
     ``tensile_multi_b2.csv``) and a verdict: MSR at least theirs and EOR no worse. A setting
     measured in several runs shows its latest (the ``run`` column); earlier runs stay in the
-    CSV. A run's job rows carry its GPU row's date. With ``timelines`` (the folder of the
+    CSV, and ``runs`` counts them when ``df`` holds every row (:func:`load_rows` with
+    ``every_row``; else each setting has one). A run's job rows carry its GPU row's date. With ``timelines`` (the folder of the
     runs' memory timelines) the device-level memory figures (NVML MSR, idle and steady peaks,
     and from them the allocator share and what lies outside the allocators) are derived again
     from the run's timeline by the current rule (:func:`experiments.tensile_multi.memory_figures`),
@@ -929,6 +930,7 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
     rows = df[df["experiment"] == "tensile_multi"]
     gpu_rows = rows[rows["backend"] == "GPU"].sort_values("date")
     out = []
+    runs = gpu_rows.groupby(["mode", "batch_size", "smoke"]).size()
     for _, g in gpu_rows.drop_duplicates(["mode", "batch_size", "smoke"], keep="last").iterrows():
         e = json.loads(g["extra"]) if g["extra"] else {}
         jobs = rows[(rows["mode"] == g["mode"]) & (rows["batch_size"] == g["batch_size"])
@@ -943,7 +945,8 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
             e = {**e, **memory_figures(read_timeline(timelines / e["timeline_csv"]))}
         msr, eor = e.get("msr_nvml"), e.get("eor")
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
-                "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
+                "run": str(g["date"])[:16].replace("T", " "),
+                "runs": int(runs[(g["mode"], g["batch_size"], g["smoke"])]), "plot": e.get("plot_png"),
                 "status": g["status"], "MSR (NVML)": None if msr is None else round(msr, 3),
                 "allocator share": _allocator_share(e, extras),
                 "outside allocators MB": _outside_allocators(e, extras),
@@ -1650,9 +1653,11 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    md_table(check.dropna(axis=1, how="all").round(2)), ""]
 
     if (df["experiment"] == "tensile_multi").any():
-        table = tensile_multi_table(df, _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
+        table = tensile_multi_table(load_rows(gpu_dir, every_row=True),   # every run, counted
+                                    _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
         plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", "",
+               "runs = how often the setting was measured (the latest is shown); "
                "MSR (NVML) = 1 − peak/peak_vanilla of the GPU's used memory above idle, job start-ups "
                "(and, in `captured` settings, the steps that captured a graph) left out and, for jobs "
                "that measure together, only from the last one's first measured step to the first "

@@ -733,7 +733,16 @@ def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_their_stack
             "msr_nvml": 0.3, "eor": 0.2, "scenario": "copies", "copies": 1}})
         store.append({**common, "backend": "resnet50-1", "extra": {
             "stack_released_mb_tensile": released[0], "stack_released_mb_vanilla": released[1]}})
-    table = report.tensile_multi_table(report.load_rows(tmp_path / "h200"), paper).set_index("setting")
+    store.append(dict(experiment="tensile_multi", mode="copies:resnet50x1", model="resnet50",
+                      batch_size=2, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5,
+                      iters=50, date="2026-12-02T00:00:00+00:00", backend="GPU",
+                      extra={"msr_nvml": 0.0, "eor": 0.9, "scenario": "copies", "copies": 1}))
+    every_row = report.load_rows(tmp_path / "h200", every_row=True)
+    table = report.tensile_multi_table(every_row, paper).set_index("setting")
+    assert table["runs"].to_dict() == {"copies:resnet50x1,trim_stack=tensile": 1,   # an earlier
+                                       "copies:resnet50x1,trim_stack=all": 1,       # run of the
+                                       "copies:resnet50x1": 2}                      # last: counted
+    assert table.loc["copies:resnet50x1", "MSR (NVML)"] == 0.3                     # the latest shown
     assert table.loc["copies:resnet50x1,trim_stack=tensile", "verdict"] == \
         "reproduced (thread stacks trimmed on TENSILE's side only)"
     assert table.loc["copies:resnet50x1,trim_stack=all", "verdict"] == "reproduced"
