@@ -266,7 +266,7 @@ def _suffix(opts: Options) -> str:
         parts.append("mps")
     if opts.trim_stack != "none":
         parts.append(f"trim_stack={opts.trim_stack}")
-    if expandable_segments(allocator_conf()):
+    if opts.device == "cuda" and expandable_segments(allocator_conf()):
         # the jobs inherit this environment: both phases' allocators map pages as needed, so
         # what they reserve differs, and such a run is its own setting, not another run of one
         parts.append("expandable")

@@ -218,8 +218,11 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     trimmed = tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224, trim_stack="all"))
     assert [s.label for s in trimmed] == ["copies:vgg16x1,trim_stack=all"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the jobs inherit it
-    assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224))
+    assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1],
+                                               tm.Options(device="cuda", image_size=224))
             ] == ["copies:vgg16x1,expandable"]
+    assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224))
+            ] == ["copies:vgg16x1"]               # a CPU smoke run has no CUDA allocator to name
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert [tm._payload(trimmed[0].jobs[0], trimmed[0], ph, tm.Options(trim_stack=which), {}, None)
             ["trim_stack"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
