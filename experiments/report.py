@@ -1270,6 +1270,11 @@ def plot_plan_memory(snapshots: dict[str, tuple[Path, dict]]) -> Figure | None:
     return fig
 
 
+# colour and legend label of a several-jobs run by its thread-stack trim (--trim-stack)
+TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE's jobs trimmed"),
+               "all": ("C2", "ours, every job trimmed")}
+
+
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     """Per several-jobs setting (:func:`tensile_multi_table`), its options aside: the best
     MSR on NVML memory of its runs without a thread-stack trim, with TENSILE's jobs trimmed
@@ -1291,10 +1296,7 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
         return np.array([t.loc[t["base"] == b, col].max() if col in t else np.nan for b in bases],
                         dtype=float)
 
-    trims = [(trim, label) for trim, label in (("none", "ours, no trim"),
-                                               ("tensile", "ours, TENSILE's jobs trimmed"),
-                                               ("all", "ours, every job trimmed"))
-             if (t["trim"] == trim).any()]
+    trims = [(trim, label) for trim, (_, label) in TRIM_COLORS.items() if (t["trim"] == trim).any()]
     msr_bars = [(series(trim, "MSR (NVML)"), label) for trim, label in trims]
     msr_bars.append((per_setting_max("allocator share"), "allocator share (upper bound)"))
     eor_bars = [(series(trim, "EOR"), label) for trim, label in trims]
@@ -1319,10 +1321,6 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
                   "extra time")
     top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
-
-
-TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE's jobs trimmed"),
-               "all": ("C2", "ours, every job trimmed")}
 
 
 def plot_tensile_multi_tradeoff(table: pd.DataFrame) -> Figure | None:
