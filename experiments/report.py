@@ -1275,16 +1275,23 @@ TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE
                "all": ("C2", "ours, every job trimmed")}
 
 
+def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of :func:`tensile_multi_table` a plot draws (a measured MSR, no smoke rows),
+    with ``base`` (the setting without its options) and ``trim`` (its ``--trim-stack``)."""
+    t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
+    t["base"] = t["setting"].str.split(",").str[0]
+    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    return t
+
+
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     """Per several-jobs setting (:func:`tensile_multi_table`), its options aside: the best
     MSR on NVML memory of its runs without a thread-stack trim, with TENSILE's jobs trimmed
     and with every job trimmed, beside the allocator share (the most any plan could save
     there) and the authors' MSR; below, the EOR of each of those runs and the authors'."""
-    t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
+    t = _plotted_settings(table)
     if t.empty:
         return None
-    t["base"] = t["setting"].str.split(",").str[0]
-    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
     bases = sorted(dict.fromkeys(t["base"]), key=_setting_order)
     best = (t.sort_values("MSR (NVML)").groupby(["base", "trim"]).tail(1)
             .set_index(["base", "trim"]))
@@ -1307,7 +1314,8 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     # constrained layout leaves room for the legend outside the axes; tight_layout cannot
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, layout="constrained",
                                       figsize=(max(7, 0.8 * len(bases) + 3), 7))
-    colors = {label: f"C{i}" for i, (_, label) in enumerate(msr_bars)}
+    colors = {label: color for color, label in TRIM_COLORS.values()} | \
+        {"allocator share (upper bound)": "C3", "TENSILE authors": "C4"}
     for ax, bars in ((top, msr_bars), (bottom, eor_bars)):
         width = 0.8 / len(bars)
         for i, (values, label) in enumerate(bars):
@@ -1329,14 +1337,13 @@ def plot_tensile_multi_tradeoff(table: pd.DataFrame) -> Figure | None:
     coloured by its thread-stack trim, beside the authors' point and the target region (MSR at
     least theirs at no worse EOR) shaded. The target is a corner of this plane, so a run that
     saves more at more cost is seen as such, which one best bar per setting hides."""
-    t = table[table["MSR (NVML)"].notna() & table["EOR"].notna()
-              & ~table["setting"].str.endswith("*")].copy()
-    found = t["setting"].str.split(",").str[0].str.extract(r"^copies:(.+)x(\d+)$")
+    t = _plotted_settings(table)
+    t = t[t["EOR"].notna()]
+    found = t["base"].str.extract(r"^copies:(.+)x(\d+)$")
     t["model"], t["copies"] = found[0], pd.to_numeric(found[1])
     t = t[t["model"].notna()].astype({"copies": int})
     if t.empty:
         return None
-    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
     models, counts = sorted(t["model"].unique()), sorted(t["copies"].unique())
     fig, axes = plt.subplots(len(models), len(counts), squeeze=False, layout="constrained",
                              figsize=(3.4 * len(counts) + 2, 2.6 * len(models)))
@@ -1484,6 +1491,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     results_dir = Path(results_dir) if results_dir is not None else gpu_dir.parent
     paper_dir = results_dir / "paper"
     df = load_rows(gpu_dir)
+    # TENSILE's tables read each job's row and count runs of one key: every row, read once
+    every_row = (load_rows(gpu_dir, every_row=True)
+                 if df["experiment"].isin(["tensile", "tensile_multi"]).any() else None)
     claims = _read_csv(paper_dir / "nimble_claims.csv")
     paper_inf = _read_csv(paper_dir / "nimble_inference_v100.csv")
     paper_train = _read_csv(paper_dir / "nimble_training_v100.csv")
@@ -1546,7 +1556,6 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     if (df["experiment"] == "tensile").any():
         metrics = tensile_metrics(df)
-        every_row = load_rows(gpu_dir, every_row=True)   # each job's row (runs of one key)
         md += ["## TENSILE: memory saving (MSR) and extra time (EOR) per method", "",
                "MSR = 1 − peak/peak_vanilla (allocated); EOR = time/time_vanilla − 1; vanilla measured "
                "in the same process; *_vs_graph: a captured TENSILE step against the captured "
@@ -1651,8 +1660,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    md_table(check.dropna(axis=1, how="all").round(2)), ""]
 
     if (df["experiment"] == "tensile_multi").any():
-        table = tensile_multi_table(load_rows(gpu_dir, every_row=True),   # every run, counted
-                                    _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
+        table = tensile_multi_table(every_row, _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
         plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", "",
                "runs = how often the setting was measured (the latest is shown); "
