@@ -217,6 +217,7 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     assert [s.label for s in shared] == ["copies:vgg16x2,captured,mps"]
     trimmed = tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224, trim_stack="all"))
     assert [s.label for s in trimmed] == ["copies:vgg16x1,trim_stack=all"]
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)   # read first: it would hide the next
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the jobs inherit it
     assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1],
                                                tm.Options(device="cuda", image_size=224))
