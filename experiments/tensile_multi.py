@@ -68,6 +68,8 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   ``--trim-stack``, ``last_step``; empty on CPU): with one job on the GPU, its growth between
   stages is what the process added outside its allocator; ``stack_released_mb_<phase>``: what
   ``--trim-stack`` gave back (:func:`tensile.trim_stack`; empty where the phase did not trim);
+  ``compacted_<phase>``: what ``--compact`` did (tensors ``moved`` / ``moved_mb``, ``kept`` in
+  place, ``released_mb`` of the allocator's reservation; empty where the phase did not compact);
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and its first measured step (that start-up
@@ -91,7 +93,10 @@ treats as smoke rows, as for ``experiment=tensile``.
 ``--trim-stack tensile`` has TENSILE's jobs give back the thread-stack memory their CUDA
 context reserved (:mod:`tensile.stack`: 264 MiB per process on an H200, most of it never
 used) after their first step; ``--trim-stack all`` has the vanilla jobs do it too, so that the
-NVML MSR is what the plans save alone. The label names the choice.
+NVML MSR is what the plans save alone. The label names the choice. ``--compact`` (same
+choices) has the jobs allocate their parameters, gradients, buffers and optimizer state again
+side by side right after that (:mod:`tensile.compact`): the first step left them between the
+holes of its freed activations, and a TENSILE job's streamed optimizer state leaves more.
 
 Without ``--mps`` the job processes take turns on the GPU in time slices; with it they are
 clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs
@@ -164,9 +169,10 @@ __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "r
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "tensile_multi"
 SCENARIOS = ("copies", "mdw", "dynamic")
-# --trim-stack: none; tensile (TENSILE's jobs call tensile.trim_stack after their first
-# step); all (vanilla's jobs too: the NVML MSR is then the plans' own saving)
-TRIM_STACK = {"none": (), "tensile": ("tensile",), "all": ("vanilla", "tensile")}
+# --trim-stack and --compact: which phases' jobs do it after their first step: none;
+# tensile (TENSILE's jobs call tensile.trim_stack / tensile.compact); all (vanilla's jobs
+# too: the NVML MSR is then the plans' own saving)
+PHASES = {"none": (), "tensile": ("tensile",), "all": ("vanilla", "tensile")}
 PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
 SMOKE_MODELS = ("mobilenet_v2", "googlenet")  # CPU default: the Inceptions need >= 75 px
 NUM_CLASSES = 1000          # TENSILE's workloads (conf/experiment/tensile.yaml)
@@ -232,7 +238,9 @@ class Options:
     stream_overhead: float = DEFAULT_STREAM_OVERHEAD   # ... with "auto": the delay the streaming may add
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
     trim_stack: str = "none"            # which phases' jobs give back their thread-stack
-                                        # reservation after their first step (TRIM_STACK)
+                                        # reservation after their first step (PHASES)
+    compact: str = "none"               # which phases' jobs allocate their long-lived
+                                        # tensors again after it (tensile.compact, PHASES)
 
 
 def _job_ids(models: Sequence[str]) -> list[str]:
@@ -266,6 +274,8 @@ def _suffix(opts: Options) -> str:
         parts.append("mps")
     if opts.trim_stack != "none":
         parts.append(f"trim_stack={opts.trim_stack}")
+    if opts.compact != "none":
+        parts.append(f"compact={opts.compact}")
     if opts.device == "cuda" and expandable_segments(allocator_conf()):
         # the jobs inherit this environment: both phases' allocators map pages as needed, so
         # what they reserve differs, and such a run is its own setting, not another run of one
@@ -493,11 +503,11 @@ def run_job(p: dict) -> dict:
 
     from experiments import models
     from experiments.tensile_run import _drop_aux_head, classification_loss
-    from tensile import Scheduler, training_step, trim_stack
+    from tensile import Scheduler, compact, training_step, trim_stack
     from tensile.resident import install_streamed
 
     cuda = p["device"] == "cuda"
-    stack_released_mb = None
+    stack_released_mb = compacted = None
     cmds = _Commands()
     if not cuda:
         torch.set_num_threads(1)  # several jobs share the CPU: no oversubscription
@@ -585,6 +595,10 @@ def run_job(p: dict) -> dict:
                 if p.get("trim_stack"):   # after cuDNN's benchmark: see tensile.stack
                     stack_released_mb = trim_stack() / MB
                     outside["trimmed"] = _outside_allocator_mb(cuda)
+                if p.get("compact"):      # before any capture: a graph keeps the old addresses
+                    c = compact(model, opt)
+                    compacted = {"moved": c.moved, "moved_mb": c.moved_bytes / MB, "kept": c.kept,
+                                 "released_mb": (c.reserved_before - c.reserved_after) / MB}
             _emit({"event": "step", "job": p["job_id"], "i": i, "ms": ms, "version": version})
             i += 1
         loss = float(loss)
@@ -593,7 +607,7 @@ def run_job(p: dict) -> dict:
         peak_alloc, peak_reserved = steady.result()
         outside["last_step"] = _outside_allocator_mb(cuda)
         out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
-               "stack_released_mb": stack_released_mb,
+               "stack_released_mb": stack_released_mb, "compacted": compacted,
                "capture_steps": capture_steps,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
@@ -809,7 +823,8 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "socket": None if sock is None else str(sock), "captured": opts.captured,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
-            "jobs": len(setting.jobs), "trim_stack": phase in TRIM_STACK[opts.trim_stack]}
+            "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
+            "compact": phase in PHASES[opts.compact]}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -1074,6 +1089,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"first_iter_peak_reserved_{name}_mb": res["first_peak_reserved_mb"],
                       f"outside_allocator_mb_{name}": res.get("outside_allocator_mb"),
                       f"stack_released_mb_{name}": res.get("stack_released_mb"),
+                      f"compacted_{name}": res.get("compacted"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
                       f"measured_iters_{name}": s["iters"],
                       f"measured_captures_{name}": s["captures"],
@@ -1485,10 +1501,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-overhead", type=float, default=DEFAULT_STREAM_OVERHEAD, metavar="F",
                     help="with --stream-resident auto: the delay allowed, a share of the step "
                          f"(default {DEFAULT_STREAM_OVERHEAD})")
-    ap.add_argument("--trim-stack", choices=tuple(TRIM_STACK), default="none",
+    ap.add_argument("--trim-stack", choices=tuple(PHASES), default="none",
                     help="jobs give back their CUDA context's thread-stack reservation after "
                          "their first step (tensile.trim_stack): none, tensile (TENSILE's jobs) "
                          "or all (vanilla's too, so the NVML MSR is the plans' own saving)")
+    ap.add_argument("--compact", choices=tuple(PHASES), default="none",
+                    help="jobs allocate their parameters, gradients, buffers and optimizer state "
+                         "again side by side after their first step, so the holes it left in the "
+                         "allocator's segments go back (tensile.compact): none, tensile or all")
     ap.add_argument("--mps", action="store_true",
                     help="the jobs of both phases share the GPU through a private MPS daemon "
                          "(experiments.mps) instead of time slices (cuda only)")
@@ -1557,7 +1577,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
-                   stream_overhead=args.stream_overhead, mps=args.mps, trim_stack=args.trim_stack)
+                   stream_overhead=args.stream_overhead, mps=args.mps, trim_stack=args.trim_stack,
+                   compact=args.compact)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

@@ -11,8 +11,10 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 (:mod:`tensile.resident`). A job too large to run one step unplanned is recorded at small
 batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
 ``trim_stack`` gives back the thread-stack memory a CUDA context reserves and never uses
-(:mod:`tensile.stack`); graphs captured before it must be captured again (``GraphStep``
-refuses them, ``Scheduler.replay`` re-captures).
+(:mod:`tensile.stack`); ``compact`` allocates a job's long-lived tensors again side by side
+so that the holes its first step left go back (:mod:`tensile.compact`). Graphs captured
+before either must be captured again (``GraphStep`` refuses them, ``Scheduler.replay``
+re-captures).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -24,6 +26,7 @@ from .scale import ScaleError, scale_recording
 from .runtime import PlanMismatchError, PlanRunner, RuntimeStats
 from .simulate import SimResult, simulate
 from .snapshot import PlanningSnapshot
+from .compact import CompactResult, compact, compact_count
 from .stack import StackReservation, stack_reservation, trim_count, trim_stack
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
@@ -44,4 +47,5 @@ __all__ = [
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
     "StackReservation", "stack_reservation", "trim_count", "trim_stack",
+    "CompactResult", "compact", "compact_count",
 ]

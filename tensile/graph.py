@@ -20,9 +20,10 @@ the captured step's peak. Inputs are copied into static tensors before every rep
 
 Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
 optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
-overwritten by the next replay. A graph captured before :func:`tensile.trim_stack` is
-``stale`` and refuses to replay (its kernels keep the stack size of their capture and
-fault after a trim: :mod:`tensile.stack`); capture the step again.
+overwritten by the next replay. A graph captured before :func:`tensile.trim_stack` or
+:func:`tensile.compact` is ``stale`` and refuses to replay (its kernels keep the stack size
+of their capture and fault after a trim, :mod:`tensile.stack`; it keeps the addresses of
+tensors a compaction moved, :mod:`tensile.compact`); capture the step again.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from nimble.cudagraph import capture_graph
 from nimble.capture import check_call_inputs, check_whole_step_allocator, replay_ms
 from nimble.training import check_capturable, put_back_step_state, save_step_state, step_state_kept
 
+from .compact import compact_count
 from .stack import trim_count
 from .streams import side_stream
 
@@ -106,19 +108,23 @@ class GraphStep:
         self.pool_bytes = meter.read()
         self.reserved_bytes = torch.cuda.memory_reserved(device)
         self.trims_at_capture = trim_count()
+        self.compactions_at_capture = compact_count()
 
     @property
     def stale(self) -> bool:
-        """Whether :func:`tensile.trim_stack` ran since the capture: the graph must not be
-        replayed (:mod:`tensile.stack`)."""
-        return trim_count() != self.trims_at_capture
+        """Whether :func:`tensile.trim_stack` or :func:`tensile.compact` ran since the
+        capture: the graph must not be replayed (:mod:`tensile.stack`, :mod:`tensile.compact`)."""
+        return trim_count() != self.trims_at_capture \
+            or compact_count() != self.compactions_at_capture
 
     def _check_not_stale(self) -> None:
         if self.stale:
-            raise RuntimeError("this CUDA graph was captured before tensile.trim_stack(): its "
-                               "kernels keep the thread-stack size of their capture, and a "
-                               "replay after the trim faults the GPU; capture the step again "
-                               "(a new GraphStep, or Scheduler.replay, which does so itself)")
+            raise RuntimeError("this CUDA graph was captured before tensile.trim_stack() or "
+                               "tensile.compact(): its kernels keep the thread-stack size and "
+                               "the tensor addresses of their capture, and a replay after "
+                               "either would fault the GPU or read moved memory; capture the "
+                               "step again (a new GraphStep, or Scheduler.replay, which does "
+                               "so itself)")
 
     def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
         """One training step on ``batch`` (same shapes, dtypes and device as captured)."""

@@ -16,6 +16,7 @@ import types
 import pytest
 import torch
 
+from experiments import models
 from experiments import tensile_multi as tm
 from experiments.mps import available as mps_available
 from experiments.store import COLUMNS, read_rows
@@ -186,18 +187,22 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     setting's two jobs on one link (tensile.tune_resident); both phases finish."""
     args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
             "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "auto",
-            "--stream-overhead", "0.1", "--results-dir", str(tmp_path), *SMOKE]
+            "--stream-overhead", "0.1", "--compact", "tensile", "--results-dir", str(tmp_path), *SMOKE]
     assert tm.main(args) == 0
     rows = {r["backend"]: r for r in _rows(tmp_path)}
     assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
         assert r["mode"] == ("copies:mobilenet_v2x2,img=32,stream_optimizer=4,stream_prefetch=2,"
-                             "stream_resident=auto,stream_overhead=0.1")
+                             "stream_resident=auto,stream_overhead=0.1,compact=tensile")
+    n_params = len(list(models.build_model("mobilenet_v2", num_classes=10).parameters()))
     for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
         e = rows[job]["extra"]
         assert e["measured_iters_tensile"] == e["measured_iters_vanilla"] > 0
         assert math.isfinite(e["loss_tensile"])
+        # --compact tensile: TENSILE's jobs moved at least their parameters after the first
+        # step (their streamed state is on the host), the vanilla jobs nothing
+        assert e["compacted_tensile"]["moved"] >= n_params and e["compacted_vanilla"] is None
         tuned = e["stream_tuned"]
         assert tuned["jobs"] == 2 and tuned["max_overhead"] == 0.1 and 0 <= tuned["resident"] <= 4
         assert tuned["delay_ms"] <= 0.1 * tuned["step_ms"] + 1e-6
@@ -227,6 +232,12 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert [tm._payload(trimmed[0].jobs[0], trimmed[0], ph, tm.Options(trim_stack=which), {}, None)
             ["trim_stack"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
+            ] == [False, False, False, True, True, True]
+    packed = tm.build_settings("copies", ["vgg16"], [1],
+                               tm.Options(image_size=224, trim_stack="tensile", compact="tensile"))
+    assert [s.label for s in packed] == ["copies:vgg16x1,trim_stack=tensile,compact=tensile"]
+    assert [tm._payload(packed[0].jobs[0], packed[0], ph, tm.Options(compact=which), {}, None)
+            ["compact"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
             ] == [False, False, False, True, True, True]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
@@ -480,6 +491,29 @@ def test_trimmed_jobs_give_their_stack_back_and_train_on(tmp_path):
         # cudaMemGetInfo counts the device's 2 MiB pages
         assert outside["first_step"] - outside["trimmed"] >= e[f"stack_released_mb_{phase}"] - 2
         assert math.isfinite(e[f"loss_{phase}"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
+                    reason="compacts jobs' CUDA memory before their graphs are captured: needs a "
+                           "CUDA GPU and nvidia-ml-py")
+def test_compacted_captured_jobs_give_back_segments_and_train_on(tmp_path):
+    """--compact all with --captured and a streamed optimizer: both phases' jobs allocate
+    their long-lived tensors again after the first step and before the capture; the TENSILE
+    job's reservation shrinks (its state went to the host, leaving holes), and both train."""
+    args = ["--scenario", "copies", "--models", "densenet121", "--copies", "1", "--batch", "2",
+            "--warmup", "4", "--iters", "8", "--timeout", "300", "--captured",
+            "--stream-optimizer", "8", "--compact", "all", "--results-dir", str(tmp_path)]
+    assert tm.main(args) == 0
+    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
+    rows = {r["backend"]: r for r in read_rows(csv_path)}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["reason"] for r in rows.values()]
+    e = json.loads(rows["densenet121-1"]["extra"])
+    for phase in ("vanilla", "tensile"):
+        c = e[f"compacted_{phase}"]
+        assert c["moved"] > 0 and c["released_mb"] >= 0, c
+        assert math.isfinite(e[f"loss_{phase}"])
+    assert e["compacted_tensile"]["released_mb"] > 0
 
 
 def test_a_failed_job_is_named_by_its_exception_not_the_traceback_after_it():

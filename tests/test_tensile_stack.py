@@ -160,6 +160,7 @@ def test_a_graph_captured_before_a_trim_refuses_to_replay(fake_gpu):
     from tensile.graph import GraphStep
     graph = GraphStep.__new__(GraphStep)      # what __init__ leaves, less the CUDA graph
     graph.static_batch, graph.trims_at_capture = (torch.zeros(2),), tensile.trim_count()
+    graph.compactions_at_capture = tensile.compact_count()
     graph.graph = None
     assert not graph.stale
     tensile.trim_stack()
