@@ -97,6 +97,8 @@ def compact(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         device = first.device
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:   # "cuda": the current device, as tensors name it
+        device = torch.device("cuda", torch.cuda.current_device())
     if cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("compact moves tensors the capture may use: call it between steps, "
                            "outside a CUDA graph capture")
