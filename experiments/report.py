@@ -964,18 +964,25 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
             if g["status"] == "ok" and not g["smoke"] and msr is not None and eor is not None:
                 ok = msr >= p["msr"] and eor <= p["eor"]
                 line["verdict"] = "reproduced" if ok else "not reproduced"
-                if ok and _trimmed_one_side(extras):
-                    line["verdict"] += " (thread stacks trimmed on TENSILE's side only)"
+                one_sided = _one_sided(extras)
+                if ok and one_sided:
+                    line["verdict"] += f" ({' and '.join(one_sided)} on TENSILE's side only)"
         out.append(line)
     return pd.DataFrame(out)
 
 
-def _trimmed_one_side(jobs: list[dict]) -> bool:
-    """Whether TENSILE's jobs gave back their thread stacks and the vanilla jobs did not
-    (``--trim-stack tensile``): part of such an NVML MSR is the trim, not the plan."""
-    def trimmed(phase: str) -> bool:
-        return any((j.get(f"stack_released_mb_{phase}") or 0) > 0 for j in jobs)
-    return trimmed("tensile") and not trimmed("vanilla")
+def _one_sided(jobs: list[dict]) -> list[str]:
+    """What TENSILE's jobs did to their processes' memory beside the plan and the vanilla
+    jobs did not: gave back their thread stacks (``--trim-stack tensile``), compacted their
+    long-lived tensors (``--compact tensile``). Part of such an NVML MSR is that, not the plan."""
+    def did(key: str, phase: str) -> bool:
+        return any(j.get(f"{key}_{phase}") for j in jobs)
+    done = []
+    if did("stack_released_mb", "tensile") and not did("stack_released_mb", "vanilla"):
+        done.append("thread stacks trimmed")
+    if did("compacted", "tensile") and not did("compacted", "vanilla"):
+        done.append("memory compacted")
+    return done
 
 
 def _used_and_held(gpu: dict, jobs: list[dict], phase: str) -> tuple[float, float] | None:
@@ -1270,17 +1277,26 @@ def plot_plan_memory(snapshots: dict[str, tuple[Path, dict]]) -> Figure | None:
     return fig
 
 
-# colour and legend label of a several-jobs run by its thread-stack trim (--trim-stack)
+# colour and legend label of a several-jobs run by what its jobs did to their processes'
+# memory beside the plan: the thread-stack trim (--trim-stack) and the compaction (--compact)
 TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE's jobs trimmed"),
-               "all": ("C2", "ours, every job trimmed")}
+               "all": ("C2", "ours, every job trimmed"),
+               "tensile,compact=tensile": ("C5", "ours, TENSILE's jobs trimmed and compacted"),
+               "tensile,compact=all": ("C6", "ours, TENSILE's jobs trimmed, every job compacted"),
+               "all,compact=all": ("C7", "ours, every job trimmed and compacted"),
+               "other": ("0.5", "ours, another trim and compaction")}
 
 
 def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
     """The rows of :func:`tensile_multi_table` a plot draws (a measured MSR, no smoke rows),
-    with ``base`` (the setting without its options) and ``trim`` (its ``--trim-stack``)."""
+    with ``base`` (the setting without its options) and ``trim`` (its ``--trim-stack`` and
+    ``--compact``: a key of :data:`TRIM_COLORS`)."""
     t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
     t["base"] = t["setting"].str.split(",").str[0]
-    t["trim"] = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    trim = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    packed = t["setting"].str.extract(r"(compact=\w+)", expand=False)
+    key = trim.where(packed.isna(), trim + "," + packed.fillna(""))
+    t["trim"] = key.where(key.isin(list(TRIM_COLORS)), "other")
     return t
 
 
@@ -1682,7 +1698,11 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "TENSILE's jobs gave back their CUDA context's thread-stack reservation after their "
                "first step (`tensile.trim_stack`, 264 MiB per process on an H200), the vanilla jobs "
                "did not, so part of their NVML MSR is that trim and not the plan; `trim_stack=all`: "
-               "both phases' jobs trimmed, so the MSR is the plans' own. `*` = smoke.", "",
+               "both phases' jobs trimmed, so the MSR is the plans' own. `compact=tensile` "
+               "settings: TENSILE's jobs also allocated their long-lived tensors again side by "
+               "side after that step (`tensile.compact`), giving back the holes in the allocator's "
+               "segments that the first step and the streamed optimizer left; `compact=all`: "
+               "the vanilla jobs too. `*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]
         figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)

@@ -718,21 +718,26 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert report.tensile_multi_table(report.load_rows(tmp_path / "h200")).loc[0, "MSR (NVML)"] == 0.9
 
 
-def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_their_stacks(tmp_path):
-    """--trim-stack tensile: part of the NVML MSR is the trim, and the verdict says so."""
+def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_or_compacted(tmp_path):
+    """--trim-stack tensile, --compact tensile: part of the NVML MSR is that, and the verdict says so."""
     store = ResultStore(tmp_path / "h200" / "tensile_multi.csv")
     paper = pd.DataFrame({"model": ["resnet50"], "batch_size": [2], "copies": [1],
                           "msr": [0.26], "eor": [0.55], "cold_start_msr": [0.04]})
-    for n, (mode, released) in enumerate([("copies:resnet50x1,trim_stack=tensile", (252.0, None)),
-                                          ("copies:resnet50x1,trim_stack=all", (252.0, 250.0)),
-                                          ("copies:resnet50x1", (None, None))]):
+    moved = {"moved": 499, "moved_mb": 139.4, "kept": 0, "released_mb": 32.0}
+    for n, (mode, released, compacted) in enumerate([
+            ("copies:resnet50x1,trim_stack=tensile", (252.0, None), (None, None)),
+            ("copies:resnet50x1,trim_stack=all", (252.0, 250.0), (None, None)),
+            ("copies:resnet50x1,trim_stack=tensile,compact=tensile", (252.0, None), (moved, None)),
+            ("copies:resnet50x1,trim_stack=all,compact=all", (252.0, 250.0), (moved, moved)),
+            ("copies:resnet50x1", (None, None), (None, None))]):
         common = dict(experiment="tensile_multi", mode=mode, model="resnet50", batch_size=2,
                       status="ok", device="cuda", gpu="NVIDIA H200", warmup=5, iters=50,
                       date=f"2026-12-03T0{n}:00:00+00:00")
         store.append({**common, "backend": "GPU", "extra": {
             "msr_nvml": 0.3, "eor": 0.2, "scenario": "copies", "copies": 1}})
         store.append({**common, "backend": "resnet50-1", "extra": {
-            "stack_released_mb_tensile": released[0], "stack_released_mb_vanilla": released[1]}})
+            "stack_released_mb_tensile": released[0], "stack_released_mb_vanilla": released[1],
+            "compacted_tensile": compacted[0], "compacted_vanilla": compacted[1]}})
     store.append(dict(experiment="tensile_multi", mode="copies:resnet50x1", model="resnet50",
                       batch_size=2, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5,
                       iters=50, date="2026-12-02T00:00:00+00:00", backend="GPU",
@@ -741,11 +746,16 @@ def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_their_stack
     table = report.tensile_multi_table(every_row, paper).set_index("setting")
     assert table["runs"].to_dict() == {"copies:resnet50x1,trim_stack=tensile": 1,   # an earlier
                                        "copies:resnet50x1,trim_stack=all": 1,       # run of the
+                                       "copies:resnet50x1,trim_stack=tensile,compact=tensile": 1,
+                                       "copies:resnet50x1,trim_stack=all,compact=all": 1,
                                        "copies:resnet50x1": 2}                      # last: counted
     assert table.loc["copies:resnet50x1", "MSR (NVML)"] == 0.3                     # the latest shown
     assert table.loc["copies:resnet50x1,trim_stack=tensile", "verdict"] == \
         "reproduced (thread stacks trimmed on TENSILE's side only)"
     assert table.loc["copies:resnet50x1,trim_stack=all", "verdict"] == "reproduced"
+    assert table.loc["copies:resnet50x1,trim_stack=tensile,compact=tensile", "verdict"] == \
+        "reproduced (thread stacks trimmed and memory compacted on TENSILE's side only)"
+    assert table.loc["copies:resnet50x1,trim_stack=all,compact=all", "verdict"] == "reproduced"
     assert table.loc["copies:resnet50x1", "verdict"] == "reproduced"
 
 
@@ -782,10 +792,13 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
     table = pd.DataFrame({
         "setting": ["copies:resnet50x1", "copies:resnet50x1,trim_stack=tensile",
                     "copies:resnet50x2,max_overhead=0.5,trim_stack=all", "copies:vgg16x2",
-                    "copies:vgg16x1*", "mdw:a+b"],
-        "MSR (NVML)": [0.2, 0.32, 0.12, 0.15, 0.9, 0.5], "EOR": [0.7, 0.2, 0.25, 0.84, 0.0, 0.3],
-        "paper MSR": [0.26, 0.26, 0.33, 0.17, 0.15, None],
-        "paper EOR": [0.55, 0.55, 0.48, 0.47, 0.26, None]})
+                    "copies:vgg16x1*", "mdw:a+b",
+                    "copies:resnet50x2,max_overhead=0.4,trim_stack=tensile,compact=tensile",
+                    "copies:resnet50x2,compact=tensile"],
+        "MSR (NVML)": [0.2, 0.32, 0.12, 0.15, 0.9, 0.5, 0.35, 0.1],
+        "EOR": [0.7, 0.2, 0.25, 0.84, 0.0, 0.3, 0.52, 0.1],
+        "paper MSR": [0.26, 0.26, 0.33, 0.17, 0.15, None, 0.33, 0.33],
+        "paper EOR": [0.55, 0.55, 0.48, 0.47, 0.26, None, 0.48, 0.48]})
     fig = report.plot_tensile_multi_tradeoff(table)
     panels = {ax.get_title(): ax for ax in fig.axes}
     assert sorted(panels) == ["resnet50 x1", "resnet50 x2", "vgg16 x1", "vgg16 x2"]
@@ -797,6 +810,8 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
                                      "ours, TENSILE's jobs trimmed": [(0.2, 0.32)],
                                      "TENSILE authors": [(0.55, 0.26)]}
     assert points("resnet50 x2") == {"ours, every job trimmed": [(0.25, 0.12)],
+                                     "ours, TENSILE's jobs trimmed and compacted": [(0.52, 0.35)],
+                                     "ours, another trim and compaction": [(0.1, 0.1)],
                                      "TENSILE authors": [(0.48, 0.33)]}
     assert points("vgg16 x1") == {}                    # only a smoke row: an empty panel
     target = [c for c in panels["vgg16 x2"].collections if c.get_label() == "target"][0]
@@ -804,6 +819,7 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
     assert corner[:, 0].max() == pytest.approx(0.47) and corner[:, 1].min() == pytest.approx(0.17)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == \
         ["ours, no trim", "ours, TENSILE's jobs trimmed", "ours, every job trimmed",
+         "ours, TENSILE's jobs trimmed and compacted", "ours, another trim and compaction",
          "TENSILE authors", "target"]
     assert report.plot_tensile_multi_tradeoff(table[table["setting"] == "mdw:a+b"]) is None
 
