@@ -1225,7 +1225,7 @@ def _figure_legend(fig: Figure, axes: np.ndarray, order: list[str] | None = None
     handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels())}
     first = [label for label in order or [] if label in handles]
     labels = first + [label for label in handles if label not in first]
-    fig.legend([handles[label] for label in labels], labels, fontsize=8, loc="outside right upper")
+    fig.legend([handles[label] for label in labels], labels, fontsize=8, loc="outside right center")   # upper: over the title
 
 
 def snapshot_file(extra: dict) -> str | None:
