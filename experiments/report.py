@@ -975,12 +975,15 @@ def _one_sided(jobs: list[dict]) -> list[str]:
     """What TENSILE's jobs did to their processes' memory beside the plan and the vanilla
     jobs did not: gave back their thread stacks (``--trim-stack tensile``), compacted their
     long-lived tensors (``--compact tensile``). Part of such an NVML MSR is that, not the plan."""
-    def did(key: str, phase: str) -> bool:
-        return any(j.get(f"{key}_{phase}") for j in jobs)
+    def trimmed(phase: str) -> bool:
+        return any((j.get(f"stack_released_mb_{phase}") or 0) > 0 for j in jobs)
+
+    def compacted(phase: str) -> bool:
+        return any(j.get(f"compacted_{phase}") for j in jobs)
     done = []
-    if did("stack_released_mb", "tensile") and not did("stack_released_mb", "vanilla"):
+    if trimmed("tensile") and not trimmed("vanilla"):
         done.append("thread stacks trimmed")
-    if did("compacted", "tensile") and not did("compacted", "vanilla"):
+    if compacted("tensile") and not compacted("vanilla"):
         done.append("memory compacted")
     return done
 
@@ -1302,9 +1305,10 @@ def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
 
 def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
     """Per several-jobs setting (:func:`tensile_multi_table`), its options aside: the best
-    MSR on NVML memory of its runs without a thread-stack trim, with TENSILE's jobs trimmed
-    and with every job trimmed, beside the allocator share (the most any plan could save
-    there) and the authors' MSR; below, the EOR of each of those runs and the authors'."""
+    MSR on NVML memory of its runs of each kind of :data:`TRIM_COLORS` (no thread-stack trim,
+    TENSILE's jobs trimmed, every job trimmed, and those with a compaction), beside the
+    allocator share (the most any plan could save there) and the authors' MSR; below, the EOR
+    of each of those runs and the authors'."""
     t = _plotted_settings(table)
     if t.empty:
         return None
@@ -1350,9 +1354,10 @@ def plot_tensile_multi_msr(table: pd.DataFrame) -> Figure | None:
 def plot_tensile_multi_tradeoff(table: pd.DataFrame) -> Figure | None:
     """One panel per model and copy count of the ``copies`` settings (:func:`tensile_multi_table`):
     every setting's latest run as memory saved (MSR on NVML memory) against extra time (EOR),
-    coloured by its thread-stack trim, beside the authors' point and the target region (MSR at
-    least theirs at no worse EOR) shaded. The target is a corner of this plane, so a run that
-    saves more at more cost is seen as such, which one best bar per setting hides."""
+    coloured by its thread-stack trim and compaction (:data:`TRIM_COLORS`), beside the authors'
+    point and the target region (MSR at least theirs at no worse EOR) shaded. The target is a
+    corner of this plane, so a run that saves more at more cost is seen as such, which one best
+    bar per setting hides."""
     t = _plotted_settings(table)
     t = t[t["EOR"].notna()]
     found = t["base"].str.extract(r"^copies:(.+)x(\d+)$")

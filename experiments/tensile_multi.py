@@ -104,8 +104,9 @@ side by side (the label says ``mps``).
 
 The job processes inherit the environment, allocator settings included: started with
 ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, both phases' caching allocators map pages
-as they grow, so what they reserve stays nearer what they allocate, and the label says
-``expandable`` (such a run is its own setting).
+as they grow, so what they reserve differs from the default allocator's, and the label says
+``expandable`` (such a run is its own setting). On the H200 it did not bring TENSILE's jobs'
+reservation nearer their allocated peak (``results/h200/README.md``, thirty-sixth session).
 
 ``--stream-resident auto`` lets every TENSILE job choose how many of its streamed optimizer's
 groups stay on the device (:func:`tensile.tune_resident`): the fewest whose copies, with all the

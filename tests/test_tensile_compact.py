@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import tensile
+from tensile.compact import _long_lived
 from tensile.graph import GraphStep
 
 
@@ -28,7 +29,7 @@ def test_every_long_lived_tensor_moves_and_keeps_its_identity_and_values():
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _train(model, opt, 1)
-    tensors = list(tensile.compact.__globals__["_long_lived"](model, opt))
+    tensors = list(_long_lived(model, opt))
     before = [(t, t.data_ptr(), t.clone()) for t in tensors]
     count = tensile.compact_count()
     result = tensile.compact(model, opt)
