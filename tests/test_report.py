@@ -756,7 +756,33 @@ def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_or_compacte
     assert table.loc["copies:resnet50x1,trim_stack=tensile,compact=tensile", "verdict"] == \
         "reproduced (thread stacks trimmed and memory compacted on TENSILE's side only)"
     assert table.loc["copies:resnet50x1,trim_stack=all,compact=all", "verdict"] == "reproduced"
-    assert table.loc["copies:resnet50x1", "verdict"] == "reproduced"
+    # the verdict is over every run of the setting: the earlier one (EOR 0.9) missed
+    assert table.loc["copies:resnet50x1", "verdict"] == "in 1 of 2 runs"
+    runs = report.tensile_multi_runs(every_row, paper)
+    assert len(runs) == 6 and runs["met"].tolist() == [False, True, True, True, True, True]
+    targets = report.tensile_multi_targets(runs)
+    assert targets.to_dict("records") == [{
+        "model": "resnet50", "copies": 1, "authors (MSR @ EOR)": "0.260 @ 0.550", "runs": 6,
+        "met": 5, "best met (MSR @ EOR)": "0.300 @ 0.200",
+        "its options": "trim_stack=tensile",                # the earliest of the equal best
+        "most MSR within their EOR": "", "least EOR at their MSR": "",
+        "most MSR at any EOR": "0.300 @ 0.200"}]
+
+
+def test_the_targets_table_names_the_nearest_misses_where_no_run_met_the_authors():
+    """No run met MSR >= theirs at EOR <= theirs: the most MSR within their EOR and the least
+    EOR at their MSR are shown; failed and smoke runs are not judged."""
+    runs = pd.DataFrame({
+        "setting": ["copies:vgg16x2,a", "copies:vgg16x2,b", "copies:vgg16x2,c", "copies:vgg16x2*"],
+        "model": "vgg16", "copies": 2, "paper MSR": 0.17, "paper EOR": 0.47,
+        "MSR (NVML)": [0.12, 0.2, 0.15, 0.9], "EOR": [0.3, 0.6, 0.4, 0.0],
+        "met": [False, False, False, None]})
+    [line] = report.tensile_multi_targets(runs).to_dict("records")
+    assert line["runs"] == 3 and line["met"] == 0 and line["best met (MSR @ EOR)"] == ""
+    assert line["most MSR within their EOR"] == "0.150 @ 0.400"
+    assert line["least EOR at their MSR"] == "0.200 @ 0.600"
+    assert line["most MSR at any EOR"] == "0.200 @ 0.600"          # not the smoke run's 0.9
+    assert report.tensile_multi_targets(pd.DataFrame()).empty
 
 
 def test_several_jobs_msr_plot_draws_ours_the_bound_and_the_authors():
