@@ -35,7 +35,7 @@ __all__ = [
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_multi_tradeoff", "plot_tensile_tradeoff",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
-    "tensile_multi_runs", "tensile_multi_targets",
+    "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets",
     "nimble_memory_table",
 ]
 
@@ -972,11 +972,12 @@ def tensile_multi_table(df: pd.DataFrame, paper: pd.DataFrame | None = None,
     setting has one), and for ``copies`` settings a verdict over every judged run: MSR at least
     the authors' and EOR no worse ("in k of n runs" when only some are), naming what TENSILE's
     jobs did beside their plan that the vanilla jobs did not (:func:`_one_sided`)."""
-    return _latest_of_each_setting(tensile_multi_runs(df, paper, timelines))
+    return tensile_multi_latest(tensile_multi_runs(df, paper, timelines))
 
 
-def _latest_of_each_setting(runs: pd.DataFrame) -> pd.DataFrame:
-    """:func:`tensile_multi_table` from the runs of :func:`tensile_multi_runs`."""
+def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
+    """:func:`tensile_multi_table` from the runs of :func:`tensile_multi_runs`, for a caller that
+    has them already."""
     if runs.empty:
         return runs
     out = []
@@ -1749,7 +1750,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     if (df["experiment"] == "tensile_multi").any():
         runs = tensile_multi_runs(every_row, _read_csv(paper_dir / "tensile_multi_b2.csv"), gpu_dir)
-        table = _latest_of_each_setting(runs)
+        table = tensile_multi_latest(runs)
         plots = [name for name in table.pop("plot") if name and (gpu_dir / name).exists()]
         md += ["## TENSILE: several jobs on one GPU", ""]
         targets = tensile_multi_targets(runs)
