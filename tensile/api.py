@@ -75,6 +75,9 @@ log = logging.getLogger("tensile.api")
 # Without an iteration time to report, contact the scheduler at most this often (s).
 _HEARTBEAT_S = 1.0
 _RETIME_WAIT_S = 30.0   # capture() in a scheduled job: how long to wait for the new plan
+# capture(): the vanilla step's time, the quietest of rounds spread over about half a second
+# (GraphStep.replay_ms: other processes on the GPU make a single round time their bursts)
+_TIMING_ROUNDS, _TIMING_REPLAYS, _TIMING_GAP_S = 10, 3, 0.03
 
 
 @dataclass
@@ -554,7 +557,8 @@ class Scheduler:
 
         Each op's time comes from one graph of the vanilla step with an event after every
         op (:func:`tensile.optimes.step_op_times_ms`): no host gaps. They are scaled to add
-        up to the plain graph's replay time (the events slow the instrumented graph down).
+        up to the plain graph's replay time (the events slow the instrumented graph down),
+        the quietest of several rounds (:meth:`tensile.GraphStep.replay_ms`).
         Should that step's op count differ from the recording's, the roofline estimates
         scaled the same way stand in. The timing steps train: model, optimizer state and
         the CUDA RNG are put back afterwards. With a scheduler process, the op times go to
@@ -563,7 +567,7 @@ class Scheduler:
         vanilla = GraphStep(lambda b, capturing: training_step(self.model, self.optimizer, b,
                                                                self.loss_fn),
                             batch, self.model, self.optimizer, warmup=warmup)
-        self.captured_vanilla_ms = vanilla.replay_ms()
+        self.captured_vanilla_ms = vanilla.replay_ms(_TIMING_REPLAYS, _TIMING_ROUNDS, _TIMING_GAP_S)
         del vanilla                    # its private pool goes back before the real capture
         with step_state_kept(self.model, self.optimizer):
             op_ms = step_op_times_ms(self.model, self.optimizer, batch, self.loss_fn)

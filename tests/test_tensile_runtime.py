@@ -461,6 +461,36 @@ def test_capturing_a_step_is_refused_where_it_cannot_work():
                             nn.functional.cross_entropy, batches(1)[0], simulate=True)
 
 
+def test_a_graphs_time_is_the_quietest_of_its_rounds(monkeypatch):
+    """GraphStep.replay_ms over rounds, without a GPU (the replays patched): the least round
+    mean, as a burst of another process slows some rounds; the step's state is put back."""
+    from tensile import graph as graph_module
+    step = graph_module.GraphStep.__new__(graph_module.GraphStep)   # __init__ less the capture
+    step.model = make_cnn()
+    step.optimizer = torch.optim.SGD(step.model.parameters(), lr=0.1)
+    step.trims_at_capture, step.compactions_at_capture = tensile.trim_count(), tensile.compact_count()
+    weight = next(step.model.parameters())
+    before = weight.detach().clone()
+    rounds = iter([9.0, 11.4, 7.7, 8.1])
+    calls = []
+
+    def fake_replay_ms(graph, replays):
+        calls.append(replays)
+        with torch.no_grad():
+            weight.add_(1.0)          # a replay trains
+        return next(rounds)
+    monkeypatch.setattr(graph_module, "replay_ms", fake_replay_ms)
+    step.graph = None
+    assert step.replay_ms(3, rounds=4) == 7.7 and calls == [3, 3, 3, 3]
+    assert torch.equal(weight, before)                         # put back
+    rounds = iter([6.5])
+    assert step.replay_ms() == 6.5 and calls[-1] == 20         # one round of 20, as before
+    with pytest.raises(ValueError, match="expected at least 1, got 3 and 0"):
+        step.replay_ms(3, rounds=0)
+    with pytest.raises(ValueError, match="gap_s: expected seconds >= 0, got -1"):
+        step.replay_ms(3, rounds=2, gap_s=-1)
+
+
 def test_the_recording_knows_the_gradients_live_until_the_step_ends():
     model = make_cnn()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
