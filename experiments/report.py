@@ -949,7 +949,9 @@ def tensile_multi_runs(df: pd.DataFrame, paper: pd.DataFrame | None = None,
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
                 "MSR alloc (jobs)": mean("msr_alloc"), "MSR reserved (jobs)": mean("msr_reserved"),
                 "cold-start MSR (jobs)": mean("cold_start_msr"),
-                "iters to steady (jobs)": mean("iters_to_steady"), "met": None, "one-sided": ""}
+                "iters to steady (jobs)": mean("iters_to_steady"),
+                "planned step / vanilla (jobs)": _planned_over_vanilla(extras),
+                "met": None, "one-sided": ""}
         p = None if paper is None or e.get("scenario") != "copies" else paper[
             (paper["model"] == g["model"]) & (paper["batch_size"] == g["batch_size"])
             & (paper["copies"] == e.get("copies"))]
@@ -996,7 +998,8 @@ def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in ("setting", "batch", "run", "runs", "plot", "status", "MSR (NVML)",
                         "allocator share", "outside allocators MB", "EOR", "re-plans",
                         "MSR alloc (jobs)", "MSR reserved (jobs)", "cold-start MSR (jobs)",
-                        "iters to steady (jobs)", "paper MSR", "paper EOR", "paper cold-start MSR",
+                        "iters to steady (jobs)", "planned step / vanilla (jobs)", "paper MSR",
+                        "paper EOR", "paper cold-start MSR",
                         "verdict") if c in runs.columns or c in ("runs", "verdict")]
     table = pd.DataFrame(out)
     return table[[c for c in cols if c in table.columns]]
@@ -1037,6 +1040,16 @@ def tensile_multi_targets(runs: pd.DataFrame) -> pd.DataFrame:
                     "most MSR at any EOR": point(g.loc[g["MSR (NVML)"].idxmax()])})
     table = pd.DataFrame(out)
     return table.sort_values(["model", "copies"], kind="stable").reset_index(drop=True) if len(table) else table
+
+
+def _planned_over_vanilla(jobs: list[dict]) -> float | None:
+    """Mean over the jobs of the step time each one's plan was made for (``plan_iteration_ms``)
+    over its vanilla step time beside the same co-runners (``iter_ms_mean_vanilla``); None
+    where no job has both. Far from 1, the plan priced its ops for another GPU than the one
+    the jobs shared: its allowance in ms, and the copies it hid, with them."""
+    ratios = [j["plan_iteration_ms"] / j["iter_ms_mean_vanilla"] for j in jobs
+              if j.get("plan_iteration_ms") and j.get("iter_ms_mean_vanilla")]
+    return round(float(np.mean(ratios)), 2) if ratios else None
 
 
 def _one_sided(jobs: list[dict]) -> list[str]:
@@ -1786,7 +1799,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "settings: TENSILE's jobs also allocated their long-lived tensors again side by "
                "side after that step (`tensile.compact`), giving back the holes in the allocator's "
                "segments that the first step and the streamed optimizer left; `compact=all`: "
-               "the vanilla jobs too. `*` = smoke.", "",
+               "the vanilla jobs too. planned step / vanilla (jobs) = the step time each job's plan was "
+               "made for over its vanilla step beside the same co-runners (far from 1: the plan "
+               "priced its ops for a GPU busier or quieter than the one the jobs shared). "
+               "`*` = smoke.", "",
                md_table(table), ""]
         md += [f"![{name}]({name})" for name in plots] + [""]
         figures["tensile_jobs_msr.png"] = plot_tensile_multi_msr(table)

@@ -674,8 +674,10 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     for job in ("resnet50-1", "resnet50-2"):
         store.append({**common, "backend": job, "mean_ms": 30.0, "extra": {
             "msr_alloc": 0.06, "msr_reserved": 0.1 if job.endswith("1") else 0.2,
-            "peak_reserved_vanilla_mb": 600.0}})
+            "peak_reserved_vanilla_mb": 600.0, "iter_ms_mean_vanilla": 8.0,
+            "plan_iteration_ms": 12.0 if job.endswith("1") else 8.0}})
     table = report.tensile_multi_table(report.load_rows(tmp_path / "h200")).set_index("setting")
+    assert table.loc["copies:resnet50x2", "planned step / vanilla (jobs)"] == 1.25   # (1.5 + 1) / 2
     assert table.loc["copies:resnet50x2", "allocator share"] == pytest.approx(1200 / 3000)
     assert table.loc["copies:resnet50x2", "MSR alloc (jobs)"] == 0.06
     assert table.loc["copies:resnet50x2", "MSR reserved (jobs)"] == pytest.approx(0.15)
@@ -694,6 +696,7 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert len(table) == 1 and table.loc[0, "MSR (NVML)"] == 0.1 and table.loc[0, "plot"] == "p.png"
     assert table.loc[0, "run"] == "2099-01-01 00:00"
     assert table.loc[0, "allocator share"] == pytest.approx(900 / 3000)
+    assert table.loc[0, "planned step / vanilla (jobs)"] is None      # its job has neither
     assert report._allocator_share({"peak_vanilla_mb": 618.0, "idle_vanilla_mb": 618.0}, [{}]) is None
     assert report._allocator_share({"peak_vanilla_mb": 900.0, "idle_vanilla_mb": 600.0},
                                    [{"peak_reserved_vanilla_mb": None}]) is None
