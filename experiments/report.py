@@ -995,14 +995,13 @@ def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
             if one_sided:
                 line["verdict"] += f" ({one_sided[-1]} on TENSILE's side only)"
         out.append(line)
-    cols = [c for c in ("setting", "batch", "run", "runs", "plot", "status", "MSR (NVML)",
-                        "allocator share", "outside allocators MB", "EOR", "re-plans",
-                        "MSR alloc (jobs)", "MSR reserved (jobs)", "cold-start MSR (jobs)",
-                        "iters to steady (jobs)", "planned step / vanilla (jobs)", "paper MSR",
-                        "paper EOR", "paper cold-start MSR",
-                        "verdict") if c in runs.columns or c in ("runs", "verdict")]
-    table = pd.DataFrame(out)
-    return table[[c for c in cols if c in table.columns]]
+    table = pd.DataFrame(out)   # without the runs' own columns (model, copies, met, one-sided)
+    return table[[c for c in ("setting", "batch", "run", "runs", "plot", "status", "MSR (NVML)",
+                              "allocator share", "outside allocators MB", "EOR", "re-plans",
+                              "MSR alloc (jobs)", "MSR reserved (jobs)", "cold-start MSR (jobs)",
+                              "iters to steady (jobs)", "planned step / vanilla (jobs)",
+                              "paper MSR", "paper EOR", "paper cold-start MSR", "verdict")
+                  if c in table.columns]]
 
 
 def tensile_multi_targets(runs: pd.DataFrame) -> pd.DataFrame:
@@ -1013,17 +1012,17 @@ def tensile_multi_targets(runs: pd.DataFrame) -> pd.DataFrame:
     most at any EOR."""
     if runs.empty or "met" not in runs:
         return pd.DataFrame()
+    def point(r: pd.Series | None) -> str:
+        return "" if r is None else f"{r['MSR (NVML)']:.3f} @ {r['EOR']:.3f}"
+
+    def options(r: pd.Series | None) -> str:
+        return "" if r is None else r["setting"].partition(",")[2] or "(defaults)"
+
     judged = runs[runs["met"].notna()]
     out = []
     for (model, copies), g in judged.groupby(["model", "copies"], sort=False):
         theirs_msr, theirs_eor = g["paper MSR"].iloc[0], g["paper EOR"].iloc[0]
         met = g[g["met"].astype(bool)]
-
-        def point(r: pd.Series | None) -> str:
-            return "" if r is None else f"{r['MSR (NVML)']:.3f} @ {r['EOR']:.3f}"
-
-        def options(r: pd.Series | None) -> str:
-            return "" if r is None else r["setting"].partition(",")[2] or "(defaults)"
         # most MSR, then least EOR; of equal runs the earliest
         met = met.sort_values(["MSR (NVML)", "EOR"], ascending=[False, True], kind="stable")
         best = met.iloc[0] if len(met) else None
