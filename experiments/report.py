@@ -435,6 +435,11 @@ def _speedup_per_run(runs: pd.DataFrame, claim: pd.Series) -> dict[str, tuple[fl
     return best
 
 
+def _runs_verdict(k: int, n: int) -> str:
+    """A target over ``n`` runs of which ``k`` meet it: reproduced only when every run does."""
+    return "not reproduced" if not k else "reproduced" if k == n else f"in {k} of {n} runs"
+
+
 def _across_runs(per_run: dict[str, tuple[float, str, str]], target: float,
                  cmp: str) -> tuple[float, str, str]:
     """(ours, verdict, note) of a speedup claim from every run that measured it: ours is the
@@ -444,8 +449,7 @@ def _across_runs(per_run: dict[str, tuple[float, str, str]], target: float,
     ours, _, note = max(per_run.values(), key=lambda v: v[1])
     ratios = [v[0] for v in per_run.values()]
     met = sum((r >= target) if cmp == ">=" else (r <= target) for r in ratios)
-    verdict = ("reproduced" if met == len(ratios) else "not reproduced" if met == 0
-               else f"in {met} of {len(ratios)} runs")
+    verdict = _runs_verdict(met, len(ratios))
     if len(ratios) > 1:
         note += f"; {len(ratios)} runs: {min(ratios):.2f}–{max(ratios):.2f}x, {met} meet it"
     return ours, verdict, note
@@ -704,8 +708,7 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
                 t = ours.sort_values("msr").iloc[-1]
             line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
             k, n = (int(v) for v in runs.loc[t["method"]])
-            line["verdict"] = ("not reproduced" if not k else "reproduced" if k == n
-                               else f"in {k} of {n} runs")
+            line["verdict"] = _runs_verdict(k, n)
             builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
                             & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
             if len(builtins):
@@ -878,8 +881,7 @@ def tensile_authors_saving_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.
                       "variant": method.replace("tensile_graph(", "(").replace(" vs graph", ""),
                       "runs": n, "MSR": _span(g["msr"]), "EOR vs graph": _span(g["eor"]),
                       "saved": f"{int(saved.sum())} of {n}",
-                      "verdict": ("not reproduced" if not k else "reproduced" if k == n
-                                  else f"in {k} of {n} runs"),
+                      "verdict": _runs_verdict(k, n),
                       "commit": ", ".join(sorted(set(g["commit"])))})
     cols = ["model", "batch", "paper MSR", "EOR limit", "variant", "runs", "MSR", "EOR vs graph",
             "saved", "verdict", "commit"]
@@ -989,8 +991,7 @@ def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
         if "paper MSR" in group and pd.notna(line.get("paper MSR")):
             judged = group["met"].dropna()
             k, n = int(judged.sum()), len(judged)
-            line["verdict"] = ("not measured" if not n else "not reproduced" if not k
-                               else "reproduced" if k == n else f"in {k} of {n} runs")
+            line["verdict"] = _runs_verdict(k, n) if n else "not measured"
             one_sided = [x for x in group.loc[group["met"].eq(True), "one-sided"] if x]
             if one_sided:
                 line["verdict"] += f" ({one_sided[-1]} on TENSILE's side only)"
@@ -1012,6 +1013,7 @@ def tensile_multi_targets(runs: pd.DataFrame) -> pd.DataFrame:
     most at any EOR."""
     if runs.empty or "met" not in runs:
         return pd.DataFrame()
+
     def point(r: pd.Series | None) -> str:
         return "" if r is None else f"{r['MSR (NVML)']:.3f} @ {r['EOR']:.3f}"
 
@@ -1371,7 +1373,8 @@ TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE
 
 
 def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of :func:`tensile_multi_table` a plot draws (a measured MSR, no smoke rows),
+    """The rows of :func:`tensile_multi_runs` or :func:`tensile_multi_table` a plot draws (a
+    measured MSR, no smoke rows),
     with ``base`` (the setting without its options) and ``trim`` (its ``--trim-stack`` and
     ``--compact``: a key of :data:`TRIM_COLORS`)."""
     t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
@@ -1790,8 +1793,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "as replays allocate nothing: rows from before 2026-11-30 11:40 counted the captures, "
                "so their MSR alloc is about 0); run = the setting's latest "
                "run (earlier ones stay in tensile_multi.csv); verdict = over every run of the "
-               "setting (\"in k of n runs\" when only some meet the authors' figures). `trim_stack=tensile` settings: "
-               "TENSILE's jobs gave back their CUDA context's thread-stack reservation after their "
+               "setting (\"in k of n runs\" when only some meet the authors' figures). "
+               "`trim_stack=tensile` settings: TENSILE's jobs gave back their CUDA context's thread-stack reservation after their "
                "first step (`tensile.trim_stack`, 264 MiB per process on an H200), the vanilla jobs "
                "did not, so part of their NVML MSR is that trim and not the plan; `trim_stack=all`: "
                "both phases' jobs trimmed, so the MSR is the plans' own. `compact=tensile` "
