@@ -1374,9 +1374,8 @@ TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE
 
 def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
     """The rows of :func:`tensile_multi_runs` or :func:`tensile_multi_table` a plot draws (a
-    measured MSR, no smoke rows),
-    with ``base`` (the setting without its options) and ``trim`` (its ``--trim-stack`` and
-    ``--compact``: a key of :data:`TRIM_COLORS`)."""
+    measured MSR, no smoke rows), with ``base`` (the setting without its options) and ``trim``
+    (its ``--trim-stack`` and ``--compact``: a key of :data:`TRIM_COLORS`)."""
     t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
     t["base"] = t["setting"].str.split(",").str[0]
     trim = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
