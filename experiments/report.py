@@ -271,7 +271,8 @@ def stack_trim_table(path: Path) -> pd.DataFrame | None:
     return _columns(df, keys + ["stack_bytes_per_thread_before", "stack_mb_before", "released_mb",
                                 "stack_bytes_per_thread_after", "outside_mb_before",
                                 "outside_mb_after", "saved_mb", "step_ms_before", "step_ms_after",
-                                "step_ratio", "commit"])
+                                "step_ratio", "blas_released_mb", "step_ms_blas",
+                                "blas_step_ratio", "commit"])
 
 
 def kernels_table(path: Path) -> pd.DataFrame | None:
@@ -1055,16 +1056,19 @@ def _planned_over_vanilla(jobs: list[dict]) -> float | None:
 
 def _one_sided(jobs: list[dict]) -> list[str]:
     """What TENSILE's jobs did to their processes' memory beside the plan and the vanilla
-    jobs did not: gave back their thread stacks (``--trim-stack tensile``), compacted their
-    long-lived tensors (``--compact tensile``). Part of such an NVML MSR is that, not the plan."""
-    def trimmed(phase: str) -> bool:
-        return any((j.get(f"stack_released_mb_{phase}") or 0) > 0 for j in jobs)
+    jobs did not: gave back their thread stacks (``--trim-stack tensile``) or their cuBLAS
+    workspaces (``--trim-blas tensile``), compacted their long-lived tensors (``--compact
+    tensile``). Part of such an NVML MSR is that, not the plan."""
+    def released(key: str, phase: str) -> bool:
+        return any((j.get(f"{key}_{phase}") or 0) > 0 for j in jobs)
 
     def compacted(phase: str) -> bool:
         return any(j.get(f"compacted_{phase}") for j in jobs)
     done = []
-    if trimmed("tensile") and not trimmed("vanilla"):
+    if released("stack_released_mb", "tensile") and not released("stack_released_mb", "vanilla"):
         done.append("thread stacks trimmed")
+    if released("blas_released_mb", "tensile") and not released("blas_released_mb", "vanilla"):
+        done.append("cuBLAS workspaces trimmed")
     if compacted("tensile") and not compacted("vanilla"):
         done.append("memory compacted")
     return done
@@ -1363,24 +1367,30 @@ def plot_plan_memory(snapshots: dict[str, tuple[Path, dict]]) -> Figure | None:
 
 
 # colour and legend label of a several-jobs run by what its jobs did to their processes'
-# memory beside the plan: the thread-stack trim (--trim-stack) and the compaction (--compact)
+# memory beside the plan: the thread-stack trim (--trim-stack), the compaction (--compact)
+# and the cuBLAS workspace trim (--trim-blas)
 TRIM_COLORS = {"none": ("C0", "ours, no trim"), "tensile": ("C1", "ours, TENSILE's jobs trimmed"),
                "all": ("C2", "ours, every job trimmed"),
                "tensile,compact=tensile": ("C5", "ours, TENSILE's jobs trimmed and compacted"),
                "tensile,compact=all": ("C6", "ours, TENSILE's jobs trimmed, every job compacted"),
                "all,compact=all": ("C7", "ours, every job trimmed and compacted"),
+               "tensile,compact=tensile,trim_blas=tensile": (
+                   "C8", "ours, TENSILE's jobs trimmed (also cuBLAS) and compacted"),
+               "all,compact=all,trim_blas=all": (
+                   "C9", "ours, every job trimmed (also cuBLAS) and compacted"),
                "other": ("0.5", "ours, another trim and compaction")}
 
 
 def _plotted_settings(table: pd.DataFrame) -> pd.DataFrame:
     """The rows of :func:`tensile_multi_runs` or :func:`tensile_multi_table` a plot draws (a
     measured MSR, no smoke rows), with ``base`` (the setting without its options) and ``trim``
-    (its ``--trim-stack`` and ``--compact``: a key of :data:`TRIM_COLORS`)."""
+    (its ``--trim-stack``, ``--compact`` and ``--trim-blas``: a key of :data:`TRIM_COLORS`)."""
     t = table[table["MSR (NVML)"].notna() & ~table["setting"].str.endswith("*")].copy()
     t["base"] = t["setting"].str.split(",").str[0]
-    trim = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
-    packed = t["setting"].str.extract(r"(compact=\w+)", expand=False)
-    key = trim.where(packed.isna(), trim + "," + packed.fillna(""))
+    key = t["setting"].str.extract(r"trim_stack=(\w+)", expand=False).fillna("none")
+    for option in ("compact", "trim_blas"):
+        chosen = t["setting"].str.extract(rf"({option}=\w+)", expand=False)
+        key = key.where(chosen.isna(), key + "," + chosen.fillna(""))
     t["trim"] = key.where(key.isin(list(TRIM_COLORS)), "other")
     return t
 
@@ -1800,7 +1810,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "settings: TENSILE's jobs also allocated their long-lived tensors again side by "
                "side after that step (`tensile.compact`), giving back the holes in the allocator's "
                "segments that the first step and the streamed optimizer left; `compact=all`: "
-               "the vanilla jobs too. planned step / vanilla (jobs) = the step time each job's plan was "
+               "the vanilla jobs too. `trim_blas=tensile` settings: TENSILE's jobs also gave back "
+               "their cuBLAS workspaces after that step and used 1 MiB ones from then on "
+               "(`tensile.trim_blas_workspace`, 64 MiB per process on an H200); "
+               "`trim_blas=all`: the vanilla jobs too. planned step / vanilla (jobs) = the step time each job's plan was "
                "made for over its vanilla step beside the same co-runners (far from 1: the plan "
                "priced its ops for a GPU busier or quieter than the one the jobs shared). "
                "`*` = smoke.", "",
@@ -1831,7 +1844,8 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
 
     stack = stack_trim_table(gpu_dir / "stack_trim.csv")
     if stack is not None:
-        md += ["## Thread-stack memory a training process holds, and `tensile.trim_stack`", "",
+        md += ["## Memory a training process holds beside its tensors: thread stacks "
+               "(`tensile.trim_stack`) and cuBLAS workspaces (`tensile.trim_blas_workspace`)", "",
                "`python -m experiments.stack_trim`: a fresh process per row trains the TENSILE "
                "workload (Adam, captured step), then gives back its CUDA context's thread-stack "
                "reservation (stack bytes per thread x the threads the GPU holds), and captures "
@@ -1840,7 +1854,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "kernels need; outside = the device's used memory (NVML) above the idle GPU's, "
                "minus the allocator's reservation (blank for 22a9be9's rows, which read 618 MiB "
                "low; saved_mb, a difference, stands); step_ratio = the captured step's median "
-               "after over before, same process.", "",
+               "after over before, same process. Then the cuBLAS workspaces go "
+               "(blas_released_mb; later ones are 1 MiB) and the step is captured a third "
+               "time: step_ms_blas, blas_step_ratio = its median over after's (blank: rows from "
+               "before the workspace trim).", "",
                md_table(stack), ""]
 
     if kernels is not None:

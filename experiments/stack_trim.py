@@ -1,5 +1,6 @@
-"""What a training process holds for thread stacks, what :func:`tensile.trim_stack` gives
-back, and whether the step slows down after it.
+"""What a training process holds for thread stacks and cuBLAS workspaces, what
+:func:`tensile.trim_stack` and :func:`tensile.trim_blas_workspace` give back, and whether the
+step slows down after them.
 
     python -m experiments.stack_trim --models resnet50,densenet121 --batch 2,16
 
@@ -8,7 +9,10 @@ workload's training step (Adam, 1000 classes, :func:`tensile.training_step`) is 
 a CUDA graph (:class:`tensile.GraphStep`) after its warm-up, its replay is timed (the
 suite's protocol: CUDA events, ``--iters`` timed replays after 20 untimed), the stack is
 trimmed, the step is captured again (a graph captured before a trim must not be replayed:
-:mod:`tensile.stack`), and its replay is timed again in the same process. Memory outside
+:mod:`tensile.stack`), and its replay is timed again in the same process; then the cuBLAS
+workspaces are trimmed (:mod:`tensile.workspace`), the step captured and timed a third time
+(``*_blas`` columns; ``allocated_mb_<stage>``: the allocator's allocated bytes after each
+capture, workspaces included). Memory outside
 the caching allocator = the device's used memory as NVML counts it, less what NVML saw used
 before the process touched CUDA (``idle_mb``: the driver's own and other processes'
 contexts, such as ``make reproduce``'s own) and what the allocator reserved. Without
@@ -68,7 +72,8 @@ def _outside_mb(idle_mb: float | None) -> float:
 
 def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
     """One row: the captured step of ``name`` at ``batch_size`` timed before and after
-    :func:`tensile.trim_stack`, with the memory each side. Call in a fresh process."""
+    :func:`tensile.trim_stack`, and after :func:`tensile.trim_blas_workspace` as well, with
+    the memory at each stage. Call in a fresh process."""
     import torch
 
     import tensile
@@ -97,13 +102,17 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
     row = {"model": name, "batch_size": batch_size, "iters": iters, "idle_mb": idle,
            "outside_source": "nvml" if idle is not None else "cudaMemGetInfo"}
     timings = {}
-    for when in ("before", "after"):
-        if when == "after":
+    for when in ("before", "after", "blas"):
+        if when != "before":
             del step   # captured before the trim: it must not replay after it
             torch.cuda.empty_cache()
-            row["released_mb"] = tensile.trim_stack() / MB
-            row["outside_mb_trimmed"] = _outside_mb(idle)
+            if when == "after":
+                row["released_mb"] = tensile.trim_stack() / MB
+                row["outside_mb_trimmed"] = _outside_mb(idle)
+            else:
+                row["blas_released_mb"] = tensile.trim_blas_workspace() / MB
             step = capture()
+        row[f"allocated_mb_{when}"] = torch.cuda.memory_allocated() / MB
         row[f"stack_bytes_per_thread_at_capture_{when}"] = tensile.stack_reservation().bytes_per_thread
         t = measure(step, batch, warmup=20, iters=iters)
         timings[when] = t
@@ -115,6 +124,7 @@ def measure_trim(name: str, batch_size: int, iters: int = 200) -> dict:
     row["reserved_mb"] = torch.cuda.memory_reserved() / MB
     row["saved_mb"] = row["outside_mb_before"] - row["outside_mb_after"]
     row["step_ratio"] = timings["after"].median_ms / timings["before"].median_ms
+    row["blas_step_ratio"] = timings["blas"].median_ms / timings["after"].median_ms
     return {**row, **environment("cuda")}
 
 
@@ -164,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['released_mb']:.0f} MiB, back to {row['stack_bytes_per_thread_after']} B/thread; "
               f"outside the allocator {row['outside_mb_before']:.0f} -> {row['outside_mb_after']:.0f} MiB; "
               f"step {row['step_ms_before']:.3f} -> {row['step_ms_after']:.3f} ms "
-              f"({row['step_ratio']:.3f}x)", flush=True)
+              f"({row['step_ratio']:.3f}x); cuBLAS workspaces {row['blas_released_mb']:.0f} MiB "
+              f"released, step {row['step_ms_blas']:.3f} ms ({row['blas_step_ratio']:.3f}x)",
+              flush=True)
     return 0
 
 

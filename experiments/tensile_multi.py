@@ -68,6 +68,7 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   ``--trim-stack``, ``last_step``; empty on CPU): with one job on the GPU, its growth between
   stages is what the process added outside its allocator; ``stack_released_mb_<phase>``: what
   ``--trim-stack`` gave back (:func:`tensile.trim_stack`; empty where the phase did not trim);
+  ``blas_released_mb_<phase>``: what ``--trim-blas`` gave back (:func:`tensile.trim_blas_workspace`);
   ``compacted_<phase>``: what ``--compact`` did (tensors ``moved`` / ``moved_mb``, ``kept`` in
   place, ``released_mb`` of the allocator's reservation; empty where the phase did not compact);
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
@@ -93,8 +94,10 @@ treats as smoke rows, as for ``experiment=tensile``.
 ``--trim-stack tensile`` has TENSILE's jobs give back the thread-stack memory their CUDA
 context reserved (:mod:`tensile.stack`: 264 MiB per process on an H200, most of it never
 used) after their first step; ``--trim-stack all`` has the vanilla jobs do it too, so that the
-NVML MSR is what the plans save alone. The label names the choice. ``--compact`` (same
-choices) has the jobs allocate their parameters, gradients, buffers and optimizer state again
+NVML MSR is what the plans save alone. The label names the choice. ``--trim-blas`` (same
+choices) has the jobs give back their cuBLAS workspaces then and use 1 MiB ones from there on
+(:mod:`tensile.workspace`: 64 MiB per process on an H200, and the models' steps ran as fast
+without them). ``--compact`` (same choices) has the jobs allocate their parameters, gradients, buffers and optimizer state again
 side by side right after that (:mod:`tensile.compact`): the first step left them between the
 holes of its freed activations, and a TENSILE job's streamed optimizer state leaves more.
 
@@ -170,9 +173,9 @@ __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "r
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = "tensile_multi"
 SCENARIOS = ("copies", "mdw", "dynamic")
-# --trim-stack and --compact: which phases' jobs do it after their first step: none;
-# tensile (TENSILE's jobs call tensile.trim_stack / tensile.compact); all (vanilla's jobs
-# too: the NVML MSR is then the plans' own saving)
+# --trim-stack, --trim-blas and --compact: which phases' jobs do it after their first step:
+# none; tensile (TENSILE's jobs call tensile.trim_stack / trim_blas_workspace / compact); all
+# (vanilla's jobs too: the NVML MSR is then the plans' own saving)
 PHASES = {"none": (), "tensile": ("tensile",), "all": ("vanilla", "tensile")}
 PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
 SMOKE_MODELS = ("mobilenet_v2", "googlenet")  # CPU default: the Inceptions need >= 75 px
@@ -240,6 +243,8 @@ class Options:
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
     trim_stack: str = "none"            # which phases' jobs give back their thread-stack
                                         # reservation after their first step (PHASES)
+    trim_blas: str = "none"             # ... give back their cuBLAS workspaces after it
+                                        # (tensile.trim_blas_workspace, PHASES)
     compact: str = "none"               # which phases' jobs allocate their long-lived
                                         # tensors again after it (tensile.compact, PHASES)
 
@@ -277,6 +282,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"trim_stack={opts.trim_stack}")
     if opts.compact != "none":
         parts.append(f"compact={opts.compact}")
+    if opts.trim_blas != "none":
+        parts.append(f"trim_blas={opts.trim_blas}")
     if opts.device == "cuda" and expandable_segments(allocator_conf()):
         # the jobs inherit this environment: both phases' allocators map pages as needed, so
         # what they reserve differs, and such a run is its own setting, not another run of one
@@ -504,11 +511,11 @@ def run_job(p: dict) -> dict:
 
     from experiments import models
     from experiments.tensile_run import _drop_aux_head, classification_loss
-    from tensile import Scheduler, compact, training_step, trim_stack
+    from tensile import Scheduler, compact, training_step, trim_blas_workspace, trim_stack
     from tensile.resident import install_streamed
 
     cuda = p["device"] == "cuda"
-    stack_released_mb = compacted = None
+    stack_released_mb = blas_released_mb = compacted = None
     cmds = _Commands()
     if not cuda:
         torch.set_num_threads(1)  # several jobs share the CPU: no oversubscription
@@ -596,6 +603,8 @@ def run_job(p: dict) -> dict:
                 if p.get("trim_stack"):   # after cuDNN's benchmark: see tensile.stack
                     stack_released_mb = trim_stack() / MB
                     outside["trimmed"] = _outside_allocator_mb(cuda)
+                if p.get("trim_blas"):    # before any capture: a graph keeps the workspaces
+                    blas_released_mb = trim_blas_workspace() / MB
                 if p.get("compact"):      # before any capture: a graph keeps the old addresses
                     c = compact(model, opt)
                     compacted = {"moved": c.moved, "moved_mb": c.moved_bytes / MB, "kept": c.kept,
@@ -608,7 +617,8 @@ def run_job(p: dict) -> dict:
         peak_alloc, peak_reserved = steady.result()
         outside["last_step"] = _outside_allocator_mb(cuda)
         out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
-               "stack_released_mb": stack_released_mb, "compacted": compacted,
+               "stack_released_mb": stack_released_mb, "blas_released_mb": blas_released_mb,
+               "compacted": compacted,
                "capture_steps": capture_steps,
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
@@ -825,7 +835,7 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
             "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
-            "compact": phase in PHASES[opts.compact]}
+            "trim_blas": phase in PHASES[opts.trim_blas], "compact": phase in PHASES[opts.compact]}
 
 
 def _read_lines(name: str, stream, out: queue.Queue) -> None:
@@ -1090,6 +1100,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"first_iter_peak_reserved_{name}_mb": res["first_peak_reserved_mb"],
                       f"outside_allocator_mb_{name}": res.get("outside_allocator_mb"),
                       f"stack_released_mb_{name}": res.get("stack_released_mb"),
+                      f"blas_released_mb_{name}": res.get("blas_released_mb"),
                       f"compacted_{name}": res.get("compacted"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
                       f"measured_iters_{name}": s["iters"],
@@ -1506,6 +1517,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="jobs give back their CUDA context's thread-stack reservation after "
                          "their first step (tensile.trim_stack): none, tensile (TENSILE's jobs) "
                          "or all (vanilla's too, so the NVML MSR is the plans' own saving)")
+    ap.add_argument("--trim-blas", choices=tuple(PHASES), default="none",
+                    help="jobs give back their cuBLAS workspaces after their first step and use "
+                         "1 MiB ones from then on (tensile.trim_blas_workspace): none, tensile "
+                         "or all")
     ap.add_argument("--compact", choices=tuple(PHASES), default="none",
                     help="jobs allocate their parameters, gradients, buffers and optimizer state "
                          "again side by side after their first step, so the holes it left in the "
@@ -1538,8 +1553,10 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     if args.gpu_index is not None and args.gpu_index < 0:
         ap.error(f"--gpu-index must be >= 0, got {args.gpu_index}")
     if args.device == "cpu" and (args.memory_gb is not None or args.gpu_index is not None
-                                 or args.captured or args.mps or args.trim_stack != "none"):
-        ap.error("--memory-gb, --gpu-index, --captured, --mps and --trim-stack are for --device cuda")
+                                 or args.captured or args.mps or args.trim_stack != "none"
+                                 or args.trim_blas != "none"):
+        ap.error("--memory-gb, --gpu-index, --captured, --mps, --trim-stack and --trim-blas are "
+                 "for --device cuda")
     if args.mps and not mps_available():
         ap.error("--mps starts a CUDA MPS daemon: nvidia-cuda-mps-control is not on PATH")
     if args.device == "cuda":
@@ -1579,7 +1596,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
                    stream_overhead=args.stream_overhead, mps=args.mps, trim_stack=args.trim_stack,
-                   compact=args.compact)
+                   trim_blas=args.trim_blas, compact=args.compact)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 
 

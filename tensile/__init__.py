@@ -12,9 +12,10 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
 ``trim_stack`` gives back the thread-stack memory a CUDA context reserves and never uses
 (:mod:`tensile.stack`); ``compact`` allocates a job's long-lived tensors again side by side
-so that the holes its first step left go back (:mod:`tensile.compact`). Graphs captured
-before either must be captured again (``GraphStep`` refuses them, ``Scheduler.replay``
-re-captures).
+so that the holes its first step left go back (:mod:`tensile.compact`);
+``trim_blas_workspace`` gives back the cuBLAS workspaces and makes later ones small
+(:mod:`tensile.workspace`). Graphs captured before any of these must be captured again
+(``GraphStep`` refuses them, ``Scheduler.replay`` re-captures).
 """
 from .api import Scheduler, SchedulerReport
 from .estimate import OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates
@@ -28,6 +29,7 @@ from .simulate import SimResult, simulate
 from .snapshot import PlanningSnapshot
 from .compact import CompactResult, compact, compact_count
 from .stack import StackReservation, stack_reservation, trim_count, trim_stack
+from .workspace import blas_trim_count, trim_blas_workspace
 from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 from .resident import tune_resident
@@ -47,5 +49,5 @@ __all__ = [
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",
     "StackReservation", "stack_reservation", "trim_count", "trim_stack",
-    "CompactResult", "compact", "compact_count",
+    "CompactResult", "compact", "compact_count", "blas_trim_count", "trim_blas_workspace",
 ]

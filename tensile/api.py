@@ -532,8 +532,9 @@ class Scheduler:
         The first call runs an ordinary :meth:`step` if none ran yet, then captures
         (:meth:`capture`); later calls replay, and capture again whenever the plan has
         changed since (a scheduler process pushed a new one: it is asked at most every
-        second, between replays) or :func:`tensile.trim_stack` ran since the capture. The
-        graph's memory goes back before a new capture.
+        second, between replays) or :func:`tensile.trim_stack`, :func:`tensile.compact` or
+        :func:`tensile.trim_blas_workspace` ran since the capture (the graph is ``stale``).
+        The graph's memory goes back before a new capture.
         """
         if self._init_pending:
             return self.step(*batch)
@@ -544,7 +545,7 @@ class Scheduler:
             self._graph_plan = self.plan   # a new plan that does the same: the graph serves it
         if self._graph is None or self._graph.stale or self.plan is not self._graph_plan:
             # the graph's op times are measured once; a new plan is captured as it comes,
-            # and a graph captured before tensile.trim_stack() is captured again
+            # and a stale graph (captured before a trim or compaction) is captured again
             graph_timed = self._graph is not None or self.captured_vanilla_ms is not None
             self._graph = None
             if self.device.type == "cuda":

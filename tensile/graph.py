@@ -20,10 +20,12 @@ the captured step's peak. Inputs are copied into static tensors before every rep
 
 Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
 optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
-overwritten by the next replay. A graph captured before :func:`tensile.trim_stack` or
-:func:`tensile.compact` is ``stale`` and refuses to replay (its kernels keep the stack size
-of their capture and fault after a trim, :mod:`tensile.stack`; it keeps the addresses of
-tensors a compaction moved, :mod:`tensile.compact`); capture the step again.
+overwritten by the next replay. A graph captured before :func:`tensile.trim_stack`,
+:func:`tensile.compact` or :func:`tensile.trim_blas_workspace` is ``stale`` and refuses to
+replay (its kernels keep the stack size of their capture and fault after a trim,
+:mod:`tensile.stack`; it keeps the addresses of tensors a compaction moved,
+:mod:`tensile.compact`, and of the cuBLAS workspaces a trim dropped, :mod:`tensile.workspace`);
+capture the step again.
 """
 from __future__ import annotations
 
@@ -40,12 +42,19 @@ from nimble.training import check_capturable, put_back_step_state, save_step_sta
 
 from .compact import compact_count
 from .stack import trim_count
+from .workspace import blas_trim_count
 from .streams import side_stream
 
-__all__ = ["GraphStep", "warmup_stream"]
+__all__ = ["GraphStep", "memory_changes", "warmup_stream"]
 
 # step(batch, capturing) runs one training step and returns the (detached) loss.
 StepFn = Callable[[tuple, bool], torch.Tensor]
+
+
+def memory_changes() -> tuple[int, int, int]:
+    """What changed under this process's graphs so far: thread-stack trims, compactions and
+    cuBLAS workspace trims. A graph captured at another value must not be replayed."""
+    return trim_count(), compact_count(), blas_trim_count()
 
 
 def warmup_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
@@ -108,22 +117,22 @@ class GraphStep:
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         self.pool_bytes = meter.read()
         self.reserved_bytes = torch.cuda.memory_reserved(device)
-        self.trims_at_capture = trim_count()
-        self.compactions_at_capture = compact_count()
+        self.changes_at_capture = memory_changes()
 
     @property
     def stale(self) -> bool:
-        """Whether :func:`tensile.trim_stack` or :func:`tensile.compact` ran since the
-        capture: the graph must not be replayed (:mod:`tensile.stack`, :mod:`tensile.compact`)."""
-        return trim_count() != self.trims_at_capture \
-            or compact_count() != self.compactions_at_capture
+        """Whether :func:`tensile.trim_stack`, :func:`tensile.compact` or
+        :func:`tensile.trim_blas_workspace` ran since the capture: the graph must not be
+        replayed (:mod:`tensile.stack`, :mod:`tensile.compact`, :mod:`tensile.workspace`)."""
+        return memory_changes() != self.changes_at_capture
 
     def _check_not_stale(self) -> None:
         if self.stale:
-            raise RuntimeError("this CUDA graph was captured before tensile.trim_stack() or "
-                               "tensile.compact(): its kernels keep the thread-stack size and "
-                               "the tensor addresses of their capture, and a replay after "
-                               "either would fault the GPU or read moved memory; capture the "
+            raise RuntimeError("this CUDA graph was captured before tensile.trim_stack(), "
+                               "tensile.compact() or tensile.trim_blas_workspace(): its kernels "
+                               "keep the thread-stack size and the tensor and workspace "
+                               "addresses of their capture, and a replay after any of them "
+                               "would fault the GPU or use freed memory; capture the "
                                "step again (a new GraphStep, or Scheduler.replay, which does "
                                "so itself)")
 

@@ -625,7 +625,9 @@ def test_stack_trim_rows_get_their_own_section_last_measurement_winning(results)
     # an older row without outside_source (its outside figures read 618 MiB low): blanked
     older = dict(row, model="vgg16", outside_mb_before=150.5, outside_mb_after=-71.5,
                  outside_source=None, commit="22a9be9")
-    pd.DataFrame([row, dict(row, step_ms_after=5.19, step_ratio=0.998, commit="17e2523"),
+    # the latest also trimmed the cuBLAS workspaces (a third capture)
+    pd.DataFrame([row, dict(row, step_ms_after=5.19, step_ratio=0.998, blas_released_mb=65.0,
+                            step_ms_blas=5.2, blas_step_ratio=1.002, commit="17e2523"),
                   older]).to_csv(path, index=False)
     table = report.stack_trim_table(path).set_index("model")
     assert len(table) == 2 and table.loc["resnet50", "step_ratio"] == 0.998
@@ -633,8 +635,9 @@ def test_stack_trim_rows_get_their_own_section_last_measurement_winning(results)
     assert table.loc["vgg16", "outside_mb_before"] != table.loc["vgg16", "outside_mb_before"]   # NaN
     assert table.loc["vgg16", "saved_mb"] == 222.0
     text = report.write_report(results / "h200", results).read_text()
-    assert "## Thread-stack memory a training process holds" in text
-    assert "| resnet50 | 2 | 1024 | 264.0 | 264.0 | 160 | 770.0 | 548.0 | 222.0 | 5.2 | 5.19 | 0.998 |" in text
+    assert "## Memory a training process holds beside its tensors: thread stacks" in text
+    assert ("| resnet50 | 2 | 1024 | 264.0 | 264.0 | 160 | 770.0 | 548.0 | 222.0 | 5.2 | 5.19 | 0.998 "
+            "| 65.0 | 5.2 | 1.002 | 17e2523 |") in text
     assert "-71.5" not in text
 
 
@@ -772,6 +775,18 @@ def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_or_compacte
         "most MSR at any EOR": "0.300 @ 0.200"}]
 
 
+def test_a_verdict_names_each_memory_trim_done_on_tensiles_side_only():
+    """What TENSILE's jobs gave back beside their plan, and the vanilla jobs did not."""
+    moved = {"moved": 499, "moved_mb": 139.4, "kept": 0, "released_mb": 32.0}
+    assert report._one_sided([{"stack_released_mb_tensile": 264.0, "blas_released_mb_tensile": 65.0,
+                               "compacted_tensile": moved}]) == \
+        ["thread stacks trimmed", "cuBLAS workspaces trimmed", "memory compacted"]
+    assert report._one_sided([{"blas_released_mb_tensile": 65.0, "blas_released_mb_vanilla": 65.0},
+                              {"blas_released_mb_tensile": None}]) == []   # both phases trimmed
+    assert report._one_sided([{"blas_released_mb_tensile": None}, {"blas_released_mb_tensile": 65.0}]) \
+        == ["cuBLAS workspaces trimmed"]                                   # any job of the run
+
+
 def test_the_targets_table_names_the_nearest_misses_where_no_run_met_the_authors():
     """No run met MSR >= theirs at EOR <= theirs: the most MSR within their EOR and the least
     EOR at their MSR are shown; failed and smoke runs are not judged."""
@@ -823,11 +838,12 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
                     "copies:resnet50x2,max_overhead=0.5,trim_stack=all", "copies:vgg16x2",
                     "copies:vgg16x1*", "mdw:a+b",
                     "copies:resnet50x2,max_overhead=0.4,trim_stack=tensile,compact=tensile",
-                    "copies:resnet50x2,compact=tensile"],
-        "MSR (NVML)": [0.2, 0.32, 0.12, 0.15, 0.9, 0.5, 0.35, 0.1],
-        "EOR": [0.7, 0.2, 0.25, 0.84, 0.0, 0.3, 0.52, 0.1],
-        "paper MSR": [0.26, 0.26, 0.33, 0.17, 0.15, None, 0.33, 0.33],
-        "paper EOR": [0.55, 0.55, 0.48, 0.47, 0.26, None, 0.48, 0.48]})
+                    "copies:resnet50x2,compact=tensile",
+                    "copies:resnet50x2,trim_stack=tensile,compact=tensile,trim_blas=tensile"],
+        "MSR (NVML)": [0.2, 0.32, 0.12, 0.15, 0.9, 0.5, 0.35, 0.1, 0.37],
+        "EOR": [0.7, 0.2, 0.25, 0.84, 0.0, 0.3, 0.52, 0.1, 0.45],
+        "paper MSR": [0.26, 0.26, 0.33, 0.17, 0.15, None, 0.33, 0.33, 0.33],
+        "paper EOR": [0.55, 0.55, 0.48, 0.47, 0.26, None, 0.48, 0.48, 0.48]})
     fig = report.plot_tensile_multi_tradeoff(table)
     panels = {ax.get_title(): ax for ax in fig.axes}
     assert sorted(panels) == ["resnet50 x1", "resnet50 x2", "vgg16 x1", "vgg16 x2"]
@@ -840,6 +856,8 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
                                      "TENSILE authors": [(0.55, 0.26)]}
     assert points("resnet50 x2") == {"ours, every job trimmed": [(0.25, 0.12)],
                                      "ours, TENSILE's jobs trimmed and compacted": [(0.52, 0.35)],
+                                     "ours, TENSILE's jobs trimmed (also cuBLAS) and compacted":
+                                         [(0.45, 0.37)],
                                      "ours, another trim and compaction": [(0.1, 0.1)],
                                      "TENSILE authors": [(0.48, 0.33)]}
     assert points("vgg16 x1") == {}                    # only a smoke row: an empty panel
@@ -848,8 +866,9 @@ def test_several_jobs_tradeoff_plot_has_a_panel_per_model_and_count_with_the_tar
     assert corner[:, 0].max() == pytest.approx(0.47) and corner[:, 1].min() == pytest.approx(0.17)
     assert [t.get_text() for t in fig.legends[0].get_texts()] == \
         ["ours, no trim", "ours, TENSILE's jobs trimmed", "ours, every job trimmed",
-         "ours, TENSILE's jobs trimmed and compacted", "ours, another trim and compaction",
-         "TENSILE authors", "target"]
+         "ours, TENSILE's jobs trimmed and compacted",
+         "ours, TENSILE's jobs trimmed (also cuBLAS) and compacted",
+         "ours, another trim and compaction", "TENSILE authors", "target"]
     assert report.plot_tensile_multi_tradeoff(table[table["setting"] == "mdw:a+b"]) is None
 
 

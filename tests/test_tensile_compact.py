@@ -7,7 +7,7 @@ from torch import nn
 
 import tensile
 from tensile.compact import _long_lived
-from tensile.graph import GraphStep
+from tensile.graph import GraphStep, memory_changes
 
 
 def _net() -> nn.Module:
@@ -89,7 +89,7 @@ def test_a_graph_captured_before_a_compaction_refuses_to_replay():
     """GraphStep's guard, without a GPU: the graph itself is never touched."""
     graph = GraphStep.__new__(GraphStep)      # what __init__ leaves, less the CUDA graph
     graph.static_batch, graph.graph = (torch.zeros(2),), None
-    graph.trims_at_capture, graph.compactions_at_capture = tensile.trim_count(), tensile.compact_count()
+    graph.changes_at_capture = memory_changes()
     assert not graph.stale
     tensile.compact(_net())
     assert graph.stale

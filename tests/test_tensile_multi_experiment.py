@@ -239,6 +239,12 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     assert [tm._payload(packed[0].jobs[0], packed[0], ph, tm.Options(compact=which), {}, None)
             ["compact"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
             ] == [False, False, False, True, True, True]
+    lean = tm.build_settings("copies", ["vgg16"], [1], tm.Options(
+        image_size=224, trim_stack="tensile", compact="tensile", trim_blas="all"))
+    assert [s.label for s in lean] == ["copies:vgg16x1,trim_stack=tensile,compact=tensile,trim_blas=all"]
+    assert [tm._payload(lean[0].jobs[0], lean[0], ph, tm.Options(trim_blas=which), {}, None)
+            ["trim_blas"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
+            ] == [False, False, False, True, True, True]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
@@ -373,11 +379,14 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "mdw", "--models", "vgg16"], ["needs at least 2 models, got ['vgg16']"]),
     (["--scenario", "copies", "--budget", "lots"], ["expected bytes such as 40G", "'lots'"]),
     (["--scenario", "copies", "--device", "gpu"], ["invalid choice: 'gpu'", "cuda", "cpu"]),
-    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index, --captured, "
-                                                    "--mps and --trim-stack are for --device cuda"]),
-    (["--scenario", "copies", "--captured"], ["--trim-stack are for --device cuda"]),
-    (["--scenario", "copies", "--mps"], ["--trim-stack are for --device cuda"]),
-    (["--scenario", "copies", "--trim-stack", "all"], ["--trim-stack are for --device cuda"]),
+    (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index, --captured, --mps, "
+                                                    "--trim-stack and --trim-blas are for --device cuda"]),
+    (["--scenario", "copies", "--captured"], ["--trim-blas are for --device cuda"]),
+    (["--scenario", "copies", "--mps"], ["--trim-blas are for --device cuda"]),
+    (["--scenario", "copies", "--trim-stack", "all"], ["--trim-blas are for --device cuda"]),
+    (["--scenario", "copies", "--trim-blas", "tensile"], ["--trim-blas are for --device cuda"]),
+    (["--scenario", "copies", "--trim-blas", "some"], ["invalid choice: 'some'", "none", "tensile",
+                                                      "all"]),
     (["--scenario", "copies", "--trim-stack", "some"], ["invalid choice: 'some'", "none", "tensile",
                                                        "all"]),
     (["--scenario", "copies", "--stream-optimizer", "-1"], ["--stream-optimizer must be a number of parameter groups >= 0"]),
@@ -491,6 +500,27 @@ def test_trimmed_jobs_give_their_stack_back_and_train_on(tmp_path):
         # cudaMemGetInfo counts the device's 2 MiB pages
         assert outside["first_step"] - outside["trimmed"] >= e[f"stack_released_mb_{phase}"] - 2
         assert math.isfinite(e[f"loss_{phase}"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
+                    reason="trims the jobs' cuBLAS workspaces and reads the GPU through NVML: "
+                           "needs a CUDA GPU and nvidia-ml-py")
+def test_captured_jobs_with_trimmed_blas_workspaces_train_on_in_less_memory(tmp_path):
+    """--trim-blas tensile --captured: the TENSILE job gives back its workspaces (two handles,
+    4 MiB or more each) after its first step and captures afterwards; the vanilla job keeps
+    them, and both train."""
+    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "1", "--batch", "2",
+            "--warmup", "3", "--iters", "5", "--timeout", "300", "--captured",
+            "--trim-blas", "tensile", "--results-dir", str(tmp_path)]
+    assert tm.main(args) == 0
+    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
+    rows = {r["backend"]: r for r in read_rows(csv_path)}
+    assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x1,captured,trim_blas=tensile"
+               for r in rows.values()), [r["reason"] for r in rows.values()]
+    e = json.loads(rows["resnet50-1"]["extra"])
+    assert e["blas_released_mb_vanilla"] is None and e["blas_released_mb_tensile"] >= 8, e
+    assert math.isfinite(e["loss_vanilla"]) and math.isfinite(e["loss_tensile"])
 
 
 @pytest.mark.gpu

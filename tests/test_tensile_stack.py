@@ -157,10 +157,9 @@ def test_every_successful_trim_counts(fake_gpu):
 
 def test_a_graph_captured_before_a_trim_refuses_to_replay(fake_gpu):
     """GraphStep's guard, without a GPU: the graph itself is never touched."""
-    from tensile.graph import GraphStep
+    from tensile.graph import GraphStep, memory_changes
     graph = GraphStep.__new__(GraphStep)      # what __init__ leaves, less the CUDA graph
-    graph.static_batch, graph.trims_at_capture = (torch.zeros(2),), tensile.trim_count()
-    graph.compactions_at_capture = tensile.compact_count()
+    graph.static_batch, graph.changes_at_capture = (torch.zeros(2),), memory_changes()
     graph.graph = None
     assert not graph.stale
     tensile.trim_stack()
