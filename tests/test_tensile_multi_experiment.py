@@ -506,7 +506,7 @@ def test_trimmed_jobs_give_their_stack_back_and_train_on(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
                     reason="trims the jobs' cuBLAS workspaces and reads the GPU through NVML: "
                            "needs a CUDA GPU and nvidia-ml-py")
-def test_captured_jobs_with_trimmed_blas_workspaces_train_on_in_less_memory(tmp_path):
+def test_captured_jobs_give_back_their_blas_workspaces_and_train_on(tmp_path):
     """--trim-blas tensile --captured: the TENSILE job gives back its workspaces (two handles,
     4 MiB or more each) after its first step and captures afterwards; the vanilla job keeps
     them, and both train."""
