@@ -25,7 +25,7 @@ def test_without_a_gpu_the_error_says_so(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="trims a CUDA context: needs a CUDA GPU")
-def test_one_model_before_and_after_the_trim(tmp_path):
+def test_one_model_before_and_after_the_trims(tmp_path):
     assert stack_trim.main(["--models", "resnet50", "--batch", "2", "--iters", "100",
                             "--results", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*/stack_trim.csv")
@@ -36,3 +36,8 @@ def test_one_model_before_and_after_the_trim(tmp_path):
     # what was released left the process (the driver's 2 MiB pages), and stays gone
     assert float(row["saved_mb"]) >= float(row["released_mb"]) - float(row["stack_mb_after"]) - 2
     assert 0.5 < float(row["step_ratio"]) < 2
+    # then the cuBLAS workspaces: two handles' (4 MiB or more each) on two streams go back,
+    # the third capture holds 1 MiB ones instead
+    assert float(row["blas_released_mb"]) >= 2 * 4
+    assert float(row["allocated_mb_blas"]) < float(row["allocated_mb_after"]) - 4
+    assert 0.5 < float(row["blas_step_ratio"]) < 2

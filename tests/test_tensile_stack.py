@@ -16,6 +16,7 @@ import torch
 
 import tensile
 from tensile import stack
+from trim_child import run_trim_child
 
 
 class FakeRuntime:
@@ -171,42 +172,11 @@ def test_a_graph_captured_before_a_trim_refuses_to_replay(fake_gpu):
     assert torch.equal(graph.static_batch[0], torch.zeros(2))   # nothing was copied in
 
 
-GRAPH_CHILD = textwrap.dedent("""
-    import json, torch, torchvision, tensile
-    from torch import nn
-    from tensile import GraphStep, training_step
-    torch.backends.cudnn.benchmark = True
-    net = torchvision.models.resnet18(num_classes=10).cuda()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, capturable=True)
-    data = [(torch.randn(4, 3, 64, 64, device="cuda"), torch.randint(0, 10, (4,), device="cuda"))
-            for _ in range(5)]
-    sched = tensile.Scheduler(net, opt, data[0], nn.functional.cross_entropy,
-                              allow_cross_iteration=False)
-    sched.replay(*data[0]); sched.replay(*data[1])       # an ordinary step, then a capture
-    torch.cuda.synchronize()
-    old = GraphStep(lambda b, capturing: training_step(net, opt, b, nn.functional.cross_entropy),
-                    data[0], net, opt)
-    captures = sched.captures
-    released = tensile.trim_stack()
-    try:
-        old(*data[0]); refused = False
-    except RuntimeError:
-        refused = True
-    losses = [float(sched.replay(*b)) for b in data[2:]]
-    torch.cuda.synchronize()
-    print(json.dumps(dict(released=released, refused=refused, captures=[captures, sched.captures],
-                          stale=sched.graph.stale, finite=all(l == l for l in losses))))
-""")
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="trims a real CUDA context: needs a CUDA GPU")
 def test_after_a_trim_old_graphs_refuse_and_the_scheduler_captures_again():
     """On the H200 a graph captured before a trim faulted at its next replay (module notes of
     tensile.stack): GraphStep refuses it, and Scheduler.replay captures the step again."""
-    out = subprocess.run([sys.executable, "-c", GRAPH_CHILD], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    import json
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_trim_child("tensile.trim_stack()")
     assert r["released"] > 0 and r["refused"], r
     assert r["captures"][1] == r["captures"][0] + 1 and not r["stale"] and r["finite"], r

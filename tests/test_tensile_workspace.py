@@ -5,17 +5,13 @@ the calls, the arithmetic, the environment and the errors); on a GPU, in a child
 real workspaces go back, a graph captured before refuses to replay and training goes on."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import tensile
 from tensile import workspace
 from tensile.graph import GraphStep, memory_changes
+from trim_child import run_trim_child
 
 MiB = 2**20
 
@@ -94,45 +90,12 @@ def test_a_graph_captured_before_a_workspace_trim_refuses_to_replay(monkeypatch)
     assert torch.equal(graph.static_batch[0], torch.zeros(2))   # nothing was copied in
 
 
-_GPU_CHILD = textwrap.dedent("""
-    import json, torch, tensile
-    from torch import nn
-    from tensile import GraphStep, training_step
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 512), nn.ReLU(), nn.Linear(512, 10)).cuda()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, capturable=True)
-    data = [(torch.randn(8, 3, 32, 32, device="cuda"), torch.randint(0, 10, (8,), device="cuda"))
-            for _ in range(5)]
-    sched = tensile.Scheduler(net, opt, data[0], nn.functional.cross_entropy,
-                              allow_cross_iteration=False)
-    sched.replay(*data[0]); sched.replay(*data[1])       # an ordinary step, then a capture
-    old = GraphStep(lambda b, capturing: training_step(net, opt, b, nn.functional.cross_entropy),
-                    data[0], net, opt)
-    captures = sched.captures
-    released = tensile.trim_blas_workspace()
-    try:
-        old(*data[0]); refused = False
-    except RuntimeError:
-        refused = True
-    losses = [float(sched.replay(*b)) for b in data[2:]]
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch._C._cuda_clearCublasWorkspaces()           # what the new workspaces hold
-    held_after = before - torch.cuda.memory_allocated()
-    print(json.dumps(dict(released=released, held_after=held_after, refused=refused,
-                          captures=[captures, sched.captures],
-                          finite=all(l == l for l in losses))))
-""")
-
-
 @pytest.mark.gpu
 def test_on_the_gpu_the_workspaces_go_back_and_later_ones_are_small():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = subprocess.run([sys.executable, "-c", _GPU_CHILD], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
+    r = run_trim_child("tensile.trim_blas_workspace()", after="workspace_bytes()")
     assert r["released"] >= 2 * 4 * MiB          # two handles' workspaces, 4 MiB or more each
-    assert 0 < r["held_after"] <= 4 * MiB        # what the later products allocated: 1 MiB each
-    assert r["refused"] and r["finite"]          # the old graph refuses; training goes on
+    assert 0 < r["after"] <= 4 * MiB             # what the later products allocated: 1 MiB each
+    assert r["refused"] and r["finite"] and not r["stale"]   # the old graph refuses; training goes on
     assert r["captures"][1] == r["captures"][0] + 1   # Scheduler.replay captured the step again
