@@ -1812,7 +1812,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "segments that the first step and the streamed optimizer left; `compact=all`: "
                "the vanilla jobs too. `trim_blas=tensile` settings: TENSILE's jobs also gave back "
                "their cuBLAS workspaces after that step and used 1 MiB ones from then on "
-               "(`tensile.trim_blas_workspace`, 64 MiB per process on an H200); "
+               "(`tensile.trim_blas_workspace`, 130 MiB per job on an H200: 64 per stream it ran on); "
                "`trim_blas=all`: the vanilla jobs too. planned step / vanilla (jobs) = the step time each job's plan was "
                "made for over its vanilla step beside the same co-runners (far from 1: the plan "
                "priced its ops for a GPU busier or quieter than the one the jobs shared). "

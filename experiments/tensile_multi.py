@@ -96,9 +96,9 @@ context reserved (:mod:`tensile.stack`: 264 MiB per process on an H200, most of 
 used) after their first step; ``--trim-stack all`` has the vanilla jobs do it too, so that the
 NVML MSR is what the plans save alone. The label names the choice. ``--trim-blas`` (same
 choices) has the jobs give back their cuBLAS workspaces then and use 1 MiB ones from there on
-(:mod:`tensile.workspace`: 64 MiB per process on an H200, and the models' steps ran as fast
-without them). ``--compact`` (same choices) has the jobs allocate their parameters, gradients, buffers and optimizer state again
-side by side right after that (:mod:`tensile.compact`): the first step left them between the
+(:mod:`tensile.workspace`: 64 MiB per stream a job ran products on, 130 MiB per job here on
+an H200, and the models' steps ran as fast without them). ``--compact`` (same choices) has the
+jobs allocate their parameters, gradients, buffers and optimizer state again side by side right after that (:mod:`tensile.compact`): the first step left them between the
 holes of its freed activations, and a TENSILE job's streamed optimizer state leaves more.
 
 Without ``--mps`` the job processes take turns on the GPU in time slices; with it they are

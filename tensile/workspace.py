@@ -6,12 +6,13 @@ Why: PyTorch allocates a workspace for every (cuBLAS handle, stream) pair that r
 product and keeps it for the life of the process, from its caching allocator: 32 MiB each on
 Hopper while ``CUBLAS_WORKSPACE_CONFIG`` is unset. A training step uses two handles (the
 forward runs on the Python thread's, the backward on autograd's device thread's), so a job
-holds 64 MiB of them on every stream it trained on. The TENSILE models at batch 2 do not
+holds 64 MiB of them on every stream it trained on: 128 MiB once it ran eager steps on the
+default stream and captured its step on a side stream. The TENSILE models at batch 2 do not
 need them. On the H200 (torch 2.11), captured steps of VGG-16, ResNet-50, Inception-v3/v4
-and DenseNet-121 replayed as fast with 1 MiB workspaces as with 32 MiB, and as fast with none.
-The trim gave back 65 MB per process (``results/h200/README.md``, thirty-eighth session).
-That is about an eighth of a captured DenseNet-121 job's allocator peak. On a GPU shared by
-several training processes it counts once per process, and no plan can reach it.
+and DenseNet-121 replayed as fast with 1 MiB workspaces as with 32 MiB, and as fast with none;
+the trim gave back 130 MiB per process (``results/h200/README.md``, thirty-eighth session).
+A captured DenseNet-121 job at batch 2 peaks at 484 MB allocated with them. On a GPU shared
+by several training processes they count once per process, and no plan can reach them.
 
 How: ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:<kib>:1``; PyTorch reads it each time it
 allocates a workspace. Then the workspaces cuBLAS and cuBLASLt hold are dropped
