@@ -98,8 +98,9 @@ NVML MSR is what the plans save alone. The label names the choice. ``--trim-blas
 choices) has the jobs give back their cuBLAS workspaces then and use 1 MiB ones from there on
 (:mod:`tensile.workspace`: 64 MiB per stream a job ran products on, 130 MiB per job here on
 an H200, and the models' steps ran as fast without them). ``--compact`` (same choices) has the
-jobs allocate their parameters, gradients, buffers and optimizer state again side by side right after that (:mod:`tensile.compact`): the first step left them between the
-holes of its freed activations, and a TENSILE job's streamed optimizer state leaves more.
+jobs allocate their parameters, gradients, buffers and optimizer state again side by side
+right after that (:mod:`tensile.compact`): the first step left them between the holes of its
+freed activations, and a TENSILE job's streamed optimizer state leaves more.
 
 Without ``--mps`` the job processes take turns on the GPU in time slices; with it they are
 clients of a private MPS daemon (:mod:`experiments.mps`) in both phases and their work runs

@@ -46,9 +46,9 @@ _trims = 0                  # trim_blas_workspace calls in this process (module 
 
 def trim_blas_workspace(kib: int = DEFAULT_KIB) -> int:
     """Give back the cuBLAS workspaces this process holds, and make later ones ``kib`` KiB
-    (module notes). Returns the bytes the dropped workspaces held on the current device.
-    It waits for that device's queued work and is not allowed during a CUDA graph capture. CUDA graphs captured before
-    the trim must be captured again (module notes)."""
+    (module notes). Returns the bytes the dropped workspaces held on the current device. It
+    waits for that device's queued work and is not allowed during a CUDA graph capture. CUDA
+    graphs captured before the trim must be captured again (module notes)."""
     global _trims
     if isinstance(kib, bool) or not isinstance(kib, int) or kib < 0:
         raise ValueError(f"kib: expected a whole number of KiB >= 0, got {kib!r}")
@@ -63,7 +63,7 @@ def trim_blas_workspace(kib: int = DEFAULT_KIB) -> int:
                            f":16:8 (now {os.environ.get(ENV)!r}); trim_blas_workspace would set "
                            f":{kib}:1")
     os.environ[ENV] = f":{kib}:1"
-    # In-flight products may still use a workspace: its bytes go back once they are done.
+    # In-flight products may still use a workspace: wait for them before its bytes go back.
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch._C._cuda_clearCublasWorkspaces()

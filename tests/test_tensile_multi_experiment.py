@@ -31,6 +31,19 @@ def _rows(results_dir) -> list[dict]:
     return rows
 
 
+def _run_on_gpu(tmp_path, args: list[str], mode: str | None) -> tuple:
+    """Run ``args`` with results in ``tmp_path``: the CSV's path and its rows by backend, each
+    ``extra`` parsed, every row checked ``ok`` (and of ``mode``, when given)."""
+    assert tm.main([*args, "--results-dir", str(tmp_path)]) == 0
+    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
+    rows = {r["backend"]: {**r, "extra": json.loads(r["extra"]) if r["extra"] else {}}
+            for r in read_rows(csv_path)}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert mode is None or r["mode"] == mode, (name, r["mode"])
+    return csv_path, rows
+
+
 def _events(path) -> list[tuple[str, str]]:
     with open(path, newline="") as f:
         return [(r["phase"], r["event"]) for r in csv.DictReader(f) if r["event"]]
@@ -433,21 +446,16 @@ def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_p
     mid-run means a capture among them)."""
     args = ["--scenario", "copies", "--models", "resnet50", "--copies", "1", "--batch", "2",
             "--warmup", "4", "--iters", "10", "--timeout", "300", "--max-overhead", "0.3",
-            "--captured", "--results-dir", str(tmp_path)]
-    assert tm.main(args) == 0
-    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
-    rows = {r["backend"]: r for r in read_rows(csv_path)}
+            "--captured"]
+    csv_path, rows = _run_on_gpu(tmp_path, args, "copies:resnet50x1,max_overhead=0.3,captured")
     assert set(rows) == {"resnet50-1", "GPU"}
-    for name, r in rows.items():
-        assert r["status"] == "ok", (name, r["reason"])
-        assert r["mode"] == "copies:resnet50x1,max_overhead=0.3,captured"
-    gpu = json.loads(rows["GPU"]["extra"])
+    gpu = rows["GPU"]["extra"]
     assert gpu["replan_kinds"]["retimed"] == 1 and gpu["replan_kinds"]["first_measurement"] == 0
     # the steps that captured are set-up spans, left out of the steady NVML peak
     events = _events(csv_path.parent / gpu["timeline_csv"])
     for phase in ("vanilla", "tensile"):
         assert (phase, "capture resnet50-1") in events and (phase, "captured resnet50-1") in events
-    e = json.loads(rows["resnet50-1"]["extra"])
+    e = rows["resnet50-1"]["extra"]
     assert e["measured_iters_tensile"] == 10 and e["replans"] == 1
     # no capture among the measured steps, so every peak is a replay's (the graph's own)
     assert e["measured_captures_tensile"] == 0 and e["measured_captures_vanilla"] == 0
@@ -466,13 +474,9 @@ def test_jobs_under_a_private_mps_daemon(tmp_path):
     import os
     args = ["--scenario", "copies", "--models", "resnet50", "--copies", "2", "--batch", "2",
             "--warmup", "4", "--iters", "10", "--timeout", "300", "--max-overhead", "0.3",
-            "--captured", "--mps", "--results-dir", str(tmp_path)]
-    assert tm.main(args) == 0
-    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
-    rows = read_rows(csv_path)
-    assert {r["backend"] for r in rows} == {"resnet50-1", "resnet50-2", "GPU"}
-    assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x2,max_overhead=0.3,captured,mps"
-               for r in rows), [r["reason"] for r in rows]
+            "--captured", "--mps"]
+    _, rows = _run_on_gpu(tmp_path, args, "copies:resnet50x2,max_overhead=0.3,captured,mps")
+    assert set(rows) == {"resnet50-1", "resnet50-2", "GPU"}
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
 
 
@@ -484,14 +488,9 @@ def test_trimmed_jobs_give_their_stack_back_and_train_on(tmp_path):
     """--trim-stack all: both phases' jobs release their thread-stack reservation after their
     first step (264 MiB on an H200), and hold that much less outside their allocator."""
     args = ["--scenario", "copies", "--models", "resnet50", "--copies", "1", "--batch", "2",
-            "--warmup", "3", "--iters", "5", "--timeout", "300", "--trim-stack", "all",
-            "--results-dir", str(tmp_path)]
-    assert tm.main(args) == 0
-    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
-    rows = {r["backend"]: r for r in read_rows(csv_path)}
-    assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x1,trim_stack=all"
-               for r in rows.values()), [r["reason"] for r in rows.values()]
-    e = json.loads(rows["resnet50-1"]["extra"])
+            "--warmup", "3", "--iters", "5", "--timeout", "300", "--trim-stack", "all"]
+    _, rows = _run_on_gpu(tmp_path, args, "copies:resnet50x1,trim_stack=all")
+    e = rows["resnet50-1"]["extra"]
     props = torch.cuda.get_device_properties(0)
     default_mb = 1024 * props.multi_processor_count * props.max_threads_per_multi_processor / 2**20
     for phase in ("vanilla", "tensile"):
@@ -512,13 +511,9 @@ def test_captured_jobs_give_back_their_blas_workspaces_and_train_on(tmp_path):
     them, and both train."""
     args = ["--scenario", "copies", "--models", "resnet50", "--copies", "1", "--batch", "2",
             "--warmup", "3", "--iters", "5", "--timeout", "300", "--captured",
-            "--trim-blas", "tensile", "--results-dir", str(tmp_path)]
-    assert tm.main(args) == 0
-    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
-    rows = {r["backend"]: r for r in read_rows(csv_path)}
-    assert all(r["status"] == "ok" and r["mode"] == "copies:resnet50x1,captured,trim_blas=tensile"
-               for r in rows.values()), [r["reason"] for r in rows.values()]
-    e = json.loads(rows["resnet50-1"]["extra"])
+            "--trim-blas", "tensile"]
+    _, rows = _run_on_gpu(tmp_path, args, "copies:resnet50x1,captured,trim_blas=tensile")
+    e = rows["resnet50-1"]["extra"]
     assert e["blas_released_mb_vanilla"] is None and e["blas_released_mb_tensile"] >= 8, e
     assert math.isfinite(e["loss_vanilla"]) and math.isfinite(e["loss_tensile"])
 
@@ -533,12 +528,9 @@ def test_compacted_captured_jobs_give_back_segments_and_train_on(tmp_path):
     job's reservation shrinks (its state went to the host, leaving holes), and both train."""
     args = ["--scenario", "copies", "--models", "densenet121", "--copies", "1", "--batch", "2",
             "--warmup", "4", "--iters", "8", "--timeout", "300", "--captured",
-            "--stream-optimizer", "8", "--compact", "all", "--results-dir", str(tmp_path)]
-    assert tm.main(args) == 0
-    (csv_path,) = tmp_path.glob("*/tensile_multi.csv")
-    rows = {r["backend"]: r for r in read_rows(csv_path)}
-    assert all(r["status"] == "ok" for r in rows.values()), [r["reason"] for r in rows.values()]
-    e = json.loads(rows["densenet121-1"]["extra"])
+            "--stream-optimizer", "8", "--compact", "all"]
+    _, rows = _run_on_gpu(tmp_path, args, None)
+    e = rows["densenet121-1"]["extra"]
     for phase in ("vanilla", "tensile"):
         c = e[f"compacted_{phase}"]
         assert c["moved"] > 0 and c["released_mb"] >= 0, c
