@@ -998,8 +998,8 @@ def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
             if one_sided:
                 line["verdict"] += f" ({one_sided[-1]} on TENSILE's side only)"
             if by_trims.any():
-                line["verdict"] += (f"; met in {int(by_trims.sum())} more by the trims alone "
-                                    "(the plans moved nothing)")
+                line["verdict"] += (f"; met in {int(by_trims.sum())} of {n} runs by the trims "
+                                    "alone (the plans moved nothing)")
         out.append(line)
     table = pd.DataFrame(out)   # without the runs' own columns (model, copies, met, one-sided)
     return table[[c for c in ("setting", "batch", "run", "runs", "plot", "status", "MSR (NVML)",
