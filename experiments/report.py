@@ -1053,8 +1053,9 @@ def tensile_multi_targets(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _plans_moved(setting: str, jobs: list[dict]) -> bool | None:
     """Whether TENSILE's plans did anything in a run: a job planned a swap or a recomputation,
-    or the jobs updated in backward with Adam's state streamed (``stream_optimizer`` in the
-    setting). False when every job planned neither (its saving is then only what the trims
+    or the jobs ran the streamed optimizer (``stream_optimizer`` in the setting: each group
+    updated in backward and its gradients dropped, its state in host memory unless kept
+    resident). False when every job did none of these (its saving is then only what the trims
     gave back); None for rows that did not record what was planned."""
     if "stream_optimizer=" in setting:
         return True
@@ -1812,7 +1813,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "Every judged run of every setting of a model and copy count (MSR on NVML "
                    "memory, EOR as in the table below): how many met the authors' figures (MSR at "
                    "least theirs, EOR no worse) with a plan that moved something (a swap, a "
-                   "recomputation or streamed optimizer state; runs whose plans moved nothing "
+                   "recomputation or the streamed optimizer; runs whose plans moved nothing "
                    "and still met them, by the process trims alone, are counted apart), the met "
                    "run that saved most and its options; "
                    "where none met them, the nearest misses either way; and the run that saved "
