@@ -8,7 +8,8 @@ process (``python -m experiments.tensile_multi --job SPEC.json``):
 1. **vanilla**: every job trains with plain PyTorch (:func:`tensile.step.training_step`,
    the step TENSILE records and replays);
 2. **tensile**: a fresh scheduler process (:func:`tensile.server.spawn` on a Unix socket in
-   a temporary directory, ``--budget`` for all jobs together) and the same jobs through
+   a temporary directory, ``--budget`` for all jobs together, or ``--budget-share``: that
+   share of their joint peak without plans, at every re-plan) and the same jobs through
    ``tensile.Scheduler(..., scheduler_socket=..., job_id=..., weight=...)``.
 
 A job builds its model, Adam and random batch as ``experiments/tensile_run.py`` does (224x224
@@ -228,6 +229,7 @@ class Options:
     iters: int = 50
     image_size: int = 32
     budget_bytes: int | None = None     # the scheduler's --budget (all jobs together)
+    budget_share: float | None = None   # ... or its --budget-share (of the joint peak)
     max_overhead: float = 0.0           # the scheduler's --max-overhead (recompute allowance)
     memory_gb: float | None = None      # emulated GPU size: caps every job process
     gpu_index: int | None = None
@@ -267,6 +269,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"img={opts.image_size}")
     if opts.budget_bytes is not None:
         parts.append(f"budget={opts.budget_bytes}")
+    if opts.budget_share is not None:
+        parts.append(f"budget_share={opts.budget_share:g}")
     if opts.max_overhead:
         parts.append(f"max_overhead={opts.max_overhead:g}")
     if opts.memory_gb is not None:
@@ -957,6 +961,7 @@ def run_phase(setting: Setting, phase: str, opts: Options, rates: dict, work: Pa
         time.sleep(0.2)  # idle samples: the baseline before any job
         if sock is not None:
             args = [] if opts.budget_bytes is None else ["--budget", str(opts.budget_bytes)]
+            args += [] if opts.budget_share is None else ["--budget-share", str(opts.budget_share)]
             args += ["--max-overhead", str(opts.max_overhead)] if opts.max_overhead else []
             procs.append(_spawn_server(sock, args, work / f"scheduler-{phase}.log", env, deadline))
         for o in outs:
@@ -1220,6 +1225,7 @@ def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: 
              "eor": eor, "cbr": msr / eor if msr is not None and eor and eor > 0 else None,
              "replans": len(reasons), "replan_kinds": _reason_kinds(reasons),
              "replan_reasons": reasons[:50], "budget_bytes": opts.budget_bytes,
+             "budget_share": opts.budget_share,
              "memory_gb": opts.memory_gb, **files}
     if sampler.source == "rss":
         extra["memory_note"] = "CPU smoke run: summed RSS of the job processes, not GPU memory"
@@ -1481,6 +1487,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5, help="warm-up steps, >= 2 (default 5)")
     ap.add_argument("--budget", type=_parse_budget, default=None,
                     help="the scheduler's memory budget for all jobs, e.g. 60G (default none)")
+    ap.add_argument("--budget-share", type=float, default=None,
+                    help="instead of --budget: the scheduler's budget at every re-plan is this "
+                         "share (0, 1] of the jobs' joint peak without plans, so the plans "
+                         "move only what that cut needs (default none)")
     ap.add_argument("--max-overhead", type=float, default=0.0,
                     help="the scheduler's recompute allowance without --budget, a share of each "
                          "job's iteration time (default 0: swaps only)")
@@ -1585,12 +1595,20 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
         ap.error(f"--stream-overhead must be a share of the step in [0, 1), got {args.stream_overhead}")
     if not 0 <= args.max_overhead < 1:
         ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
+    if args.budget_share is not None:
+        if args.budget is not None:
+            ap.error(f"give --budget or --budget-share, not both (got {args.budget} bytes and "
+                     f"{args.budget_share})")
+        if not 0 < args.budget_share <= 1:
+            ap.error(f"--budget-share must be a share of the joint peak in (0, 1], got "
+                     f"{args.budget_share}")
     budget = args.budget
-    if budget is None and args.memory_gb is not None:
+    if budget is None and args.budget_share is None and args.memory_gb is not None:
         from experiments.tensile_run import EMULATED_HEADROOM
         budget = int(EMULATED_HEADROOM * args.memory_gb * 2**30)
     opts = Options(device=args.device, batch=args.batch, warmup=args.warmup, iters=args.iters,
                    image_size=args.image_size or IMAGE_SIZE[args.device], budget_bytes=budget,
+                   budget_share=args.budget_share,
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,

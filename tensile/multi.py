@@ -59,7 +59,8 @@ from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_ov
 from .simulate import simulate
 from .timeline import AccessTimeline
 
-__all__ = ["JobSpec", "JointPlan", "JointLayout", "layout_jobs", "plan_jobs", "simulate_joint"]
+__all__ = ["JobSpec", "JointPlan", "JointLayout", "check_budget_share", "layout_jobs", "plan_jobs",
+           "simulate_joint"]
 
 
 @dataclass
@@ -234,6 +235,19 @@ def _positive(x: float, what: str) -> None:
         raise ValueError(f"{what} must be a positive finite number of ms, got {x!r}")
 
 
+def check_budget_share(budget_bytes: int | None, budget_share: float | None) -> None:
+    """A budget share is a number in (0, 1] and comes instead of a budget in bytes."""
+    if budget_share is None:
+        return
+    if budget_bytes is not None:
+        raise ValueError(f"give budget_bytes or budget_share, not both (got {budget_bytes!r} "
+                         f"and {budget_share!r})")
+    if isinstance(budget_share, bool) or not (isinstance(budget_share, (int, float))
+                                              and 0 < budget_share <= 1):
+        raise ValueError(f"budget_share must be a share of the joint peak in (0, 1], "
+                         f"got {budget_share!r}")
+
+
 def _wrap(start: float, end: float, cycle: float) -> list[tuple[float, float]]:
     """``[start, end)`` modulo ``cycle``, split where it crosses the cycle end."""
     if end - start >= cycle - EPS:
@@ -309,6 +323,7 @@ def plan_jobs(
     jobs: Sequence[JobSpec],
     *,
     budget_bytes: int | None = None,
+    budget_share: float | None = None,
     d2h_bw: float,
     h2d_bw: float,
     copy_latency_ms: float = COPY_LATENCY_MS,
@@ -318,9 +333,13 @@ def plan_jobs(
 
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
     hidden swaps, then with recomputation that adds at most ``max_overhead`` x each job's
-    iteration time, as :func:`tensile.planner.plan`); ``d2h_bw``/``h2d_bw`` are the GPU's
-    copy bandwidths in bytes/s.
+    iteration time, as :func:`tensile.planner.plan`). ``budget_share`` (in (0, 1], instead
+    of ``budget_bytes``) sets the budget to that share of the jobs' joint peak without
+    plans, so the plan moves only what that cut needs, cheapest first, rather than every
+    tensor it can hide; the plan's ``budget_bytes`` tells the bytes it came to.
+    ``d2h_bw``/``h2d_bw`` are the GPU's copy bandwidths in bytes/s.
     """
+    check_budget_share(budget_bytes, budget_share)
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, 1)
     check_max_overhead(max_overhead)
     for j in jobs:
@@ -331,6 +350,10 @@ def plan_jobs(
     t0 = time.perf_counter()
     lay = layout_jobs(jobs)
     spec = {j.job_id: j for j in jobs}
+    peak_before = int(lay.joint_curve({jid: tl.vanilla_curve()
+                                       for jid, tl in lay.timelines.items()}).max())
+    if budget_share is not None:
+        budget_bytes = max(1, int(budget_share * peak_before))
 
     args = (jobs, lay, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, max_overhead)
     states, mem = _joint_greedy(*args, no_swaps=frozenset())
@@ -341,8 +364,6 @@ def plan_jobs(
         other = _joint_greedy(*args, no_swaps=priced)
         if _joint_rank(*other, jobs, budget_bytes) < _joint_rank(states, mem, jobs, budget_bytes):
             states, mem = other
-    peak_before = int(lay.joint_curve({jid: tl.vanilla_curve()
-                                       for jid, tl in lay.timelines.items()}).max())
 
     plans = {jid: _job_plan(states[jid], spec[jid], budget_bytes, d2h_bw, h2d_bw)
              for jid in states}

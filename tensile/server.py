@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .estimate import EWMA_NEW_WEIGHT, DriftDetector
-from .multi import JobSpec, JointPlan, plan_jobs
+from .multi import JobSpec, JointPlan, check_budget_share, plan_jobs
 from .planner import COPY_LATENCY_MS, check_max_overhead
 from .protocol import (HEADER, MAX_MESSAGE_BYTES, ProtocolError, check_length, decode,
                        default_socket_path, encode, timeline_from_wire, validate_job_message)
@@ -96,18 +96,21 @@ class SchedulerServer:
 
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
     hidden swaps, and with recomputation adding at most ``max_overhead`` x each job's
-    iteration time). The copy bandwidths default to the smallest any job measured (one
+    iteration time); ``budget_share`` instead sets it at every re-plan to that share of
+    the jobs' joint peak without plans (:func:`tensile.multi.plan_jobs`). The copy bandwidths default to the smallest any job measured (one
     GPU, one bus). A job silent for ``heartbeat_timeout_s`` is dropped.
     """
 
     def __init__(self, socket_path: str | os.PathLike | None = None, *,
-                 budget_bytes: int | None = None, heartbeat_timeout_s: float = 60.0,
+                 budget_bytes: int | None = None, budget_share: float | None = None,
+                 heartbeat_timeout_s: float = 60.0,
                  max_message_bytes: int = MAX_MESSAGE_BYTES,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  copy_latency_ms: float = COPY_LATENCY_MS, max_overhead: float = 0.0) -> None:
         check_max_overhead(max_overhead)
         if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
             raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+        check_budget_share(budget_bytes, budget_share)
         if not heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat_timeout_s!r}")
         for name, bw in (("d2h_bw", d2h_bw), ("h2d_bw", h2d_bw)):
@@ -115,6 +118,7 @@ class SchedulerServer:
                 raise ValueError(f"{name} must be a positive number of bytes/s or None, got {bw!r}")
         self.path = Path(socket_path) if socket_path is not None else default_socket_path()
         self.budget_bytes = budget_bytes
+        self.budget_share = budget_share
         self.heartbeat_timeout_s = float(heartbeat_timeout_s)
         self.max_message_bytes = int(max_message_bytes)
         self.d2h_bw, self.h2d_bw = d2h_bw, h2d_bw
@@ -145,8 +149,10 @@ class SchedulerServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, NotImplementedError, RuntimeError):
                 self._loop.add_signal_handler(sig, self._stopped.set)  # main thread only
-        log.info("TENSILE scheduler listening on %s (budget %s)", self.path,
-                 "none" if self.budget_bytes is None else f"{self.budget_bytes} bytes")
+        budget = ("none" if self.budget_bytes is None and self.budget_share is None else
+                  f"{self.budget_bytes} bytes" if self.budget_bytes is not None else
+                  f"{self.budget_share:g} of the joint peak")
+        log.info("TENSILE scheduler listening on %s (budget %s)", self.path, budget)
         self.ready.set()
         try:
             await self._stopped.wait()
@@ -366,7 +372,8 @@ class SchedulerServer:
             specs = [j.spec() for j in jobs]
             try:
                 joint = await asyncio.to_thread(
-                    plan_jobs, specs, budget_bytes=self.budget_bytes, d2h_bw=d2h, h2d_bw=h2d,
+                    plan_jobs, specs, budget_bytes=self.budget_bytes, budget_share=self.budget_share,
+                    d2h_bw=d2h, h2d_bw=h2d,
                     copy_latency_ms=self.copy_latency_ms, max_overhead=self.max_overhead)
             except Exception as e:
                 log.exception("re-plan failed (%s); jobs keep their plans", "; ".join(reasons))
@@ -528,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=_parse_bytes, default=None,
                     help="memory budget for all jobs together, e.g. 60G (default: minimise "
                          "the joint peak with hidden swaps only)")
+    ap.add_argument("--budget-share", type=float, default=None,
+                    help="instead of --budget: at every re-plan, this share (0, 1] of the jobs' "
+                         "joint peak without plans; the plans move only what that cut needs")
     ap.add_argument("--max-overhead", type=float, default=0.0,
                     help="without --budget, also recompute activations while that adds at "
                          "most this share of each job's iteration time (default 0: swaps only)")
@@ -542,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         server = SchedulerServer(args.socket, budget_bytes=args.budget,
+                                 budget_share=args.budget_share,
                                  heartbeat_timeout_s=args.heartbeat_timeout,
                                  d2h_bw=args.d2h_bw, h2d_bw=args.h2d_bw,
                                  max_overhead=args.max_overhead)

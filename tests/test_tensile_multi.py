@@ -202,6 +202,26 @@ def test_priced_swaps_go_to_an_unpriced_job_or_give_way_to_recomputes():
     assert dear["a"].est_overhead_ms + dear["b"].est_overhead_ms == pytest.approx(rebuilt[0].cost_ms)
 
 
+def test_a_budget_share_is_that_share_of_the_joint_peak():
+    """``budget_share`` plans as the same budget in bytes would, and moves only what the
+    cut needs: fewer swaps than without a budget, which hides every swap it can."""
+    jobs = [JobSpec("a", job_timeline(), iter_start_s=100.0),
+            JobSpec("b", job_timeline(), iter_start_s=100.0035)]
+    shared = plan_jobs(jobs, budget_share=0.9, d2h_bw=BW, h2d_bw=BW)
+    check_joint(jobs, shared)
+    assert shared.budget_bytes == int(0.9 * shared.peak_before)
+    assert shared.feasible and shared.peak_after <= shared.budget_bytes
+    in_bytes = plan_jobs(jobs, budget_bytes=shared.budget_bytes, d2h_bw=BW, h2d_bw=BW)
+    assert {j: p.swaps for j, p in in_bytes.plans.items()} == \
+        {j: p.swaps for j, p in shared.plans.items()}
+    unlimited = plan_jobs(jobs, d2h_bw=BW, h2d_bw=BW)
+    n = {name: sum(len(p.swaps) for p in jp.plans.values())
+         for name, jp in (("share", shared), ("none", unlimited))}
+    assert 0 < n["share"] < n["none"]
+    whole = plan_jobs(jobs, budget_share=1.0, d2h_bw=BW, h2d_bw=BW)
+    assert whole.feasible and not any(p.swaps or p.recomputes for p in whole.plans.values())
+
+
 # --------------------------------------------------------------------------- errors
 def test_bad_jobs_are_refused():
     tl = job_timeline()
@@ -215,6 +235,12 @@ def test_bad_jobs_are_refused():
         plan_jobs([JobSpec("a", tl, iter_ms=-1.0)], d2h_bw=BW, h2d_bw=BW)
     with pytest.raises(ValueError, match="budget"):
         plan_jobs([JobSpec("a", tl)], budget_bytes=0, d2h_bw=BW, h2d_bw=BW)
+    for share in (0, 1.01, True, "0.8"):
+        with pytest.raises(ValueError, match=r"budget_share must be a share of the joint peak "
+                                             r"in \(0, 1\]"):
+            plan_jobs([JobSpec("a", tl)], budget_share=share, d2h_bw=BW, h2d_bw=BW)
+    with pytest.raises(ValueError, match="give budget_bytes or budget_share, not both"):
+        plan_jobs([JobSpec("a", tl)], budget_bytes=MB, budget_share=0.5, d2h_bw=BW, h2d_bw=BW)
     with pytest.raises(ValueError, match="swap_cost_ms must be a number of ms >= 0"):
         plan_jobs([JobSpec("a", tl, swap_cost_ms=-0.01)], d2h_bw=BW, h2d_bw=BW)
 
@@ -260,9 +286,8 @@ def job_sets(draw):
 @given(jobs=job_sets(), bw=st.floats(1e8, 1e11),
        budget_frac=st.one_of(st.none(), st.floats(0.3, 1.0)))
 def test_joint_plans_keep_every_invariant(jobs, bw, budget_frac):
-    budget = None
-    if budget_frac is not None:
-        budget = max(1, int(budget_frac * layout_jobs(jobs).joint_curve(
-            {j.job_id: j.timeline.vanilla_curve() for j in jobs}).max()))
-    jp = plan_jobs(jobs, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw)
+    jp = plan_jobs(jobs, budget_share=budget_frac, d2h_bw=bw, h2d_bw=bw)
     check_joint(jobs, jp)
+    if budget_frac is not None:
+        assert jp.budget_bytes == max(1, int(budget_frac * layout_jobs(jobs).joint_curve(
+            {j.job_id: j.timeline.vanilla_curve() for j in jobs}).max()))

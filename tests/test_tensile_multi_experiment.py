@@ -229,6 +229,8 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
                                          "copies:resnet50x1,budget=1073741824",
                                          "copies:resnet50x3,budget=1073741824"]
     assert [j.job_id for j in copies[1].jobs] == ["vgg16-1", "vgg16-2", "vgg16-3"]
+    cut = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, budget_share=0.8))
+    assert [s.label for s in cut] == ["copies:vgg16x2,budget_share=0.8"]
     low = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, max_overhead=0.05))
     assert [s.label for s in low] == ["copies:vgg16x2,max_overhead=0.05"]
     shared = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, captured=True, mps=True))
@@ -391,6 +393,10 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "copies", "--models", "vgg16,vgg16"], ["lists a model twice"]),
     (["--scenario", "mdw", "--models", "vgg16"], ["needs at least 2 models, got ['vgg16']"]),
     (["--scenario", "copies", "--budget", "lots"], ["expected bytes such as 40G", "'lots'"]),
+    (["--scenario", "copies", "--budget", "1G", "--budget-share", "0.8"],
+     ["give --budget or --budget-share, not both"]),
+    (["--scenario", "copies", "--budget-share", "80"],
+     ["--budget-share must be a share of the joint peak in (0, 1], got 80.0"]),
     (["--scenario", "copies", "--device", "gpu"], ["invalid choice: 'gpu'", "cuda", "cpu"]),
     (["--scenario", "copies", "--memory-gb", "8"], ["--memory-gb, --gpu-index, --captured, --mps, "
                                                     "--trim-stack and --trim-blas are for --device cuda"]),

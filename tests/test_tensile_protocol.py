@@ -248,6 +248,29 @@ def test_a_recompute_allowance_reaches_the_jobs_plans(start_server, clients):
         SchedulerServer(srv.path.parent / "x.sock", max_overhead=-1)
 
 
+def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clients):
+    """``budget_share``: at every re-plan the budget is that share of the jobs' joint peak
+    without plans, so the plans move only what the cut needs (fewer swaps than none)."""
+    srv = start_server(budget_share=0.9)
+    a, b = clients(srv, "a"), clients(srv, "b")
+    alone = a.register(job_timeline(), bandwidths=BW)
+    assert alone.budget_bytes == int(0.9 * alone.peak_before) == int(0.9 * 33 * MB)
+    assert alone.feasible and alone.peak_after <= alone.budget_bytes
+    b.register(job_timeline(), bandwidths=BW)
+    assert newer(a, 1)
+    joint = srv.last_joint
+    assert joint.budget_bytes == int(0.9 * joint.peak_before) > alone.budget_bytes
+    assert joint.feasible and joint.peak_after <= joint.budget_bytes
+    unlimited = start_server()
+    c = clients(unlimited, "c").register(job_timeline(), bandwidths=BW)
+    assert 0 < len(alone.swaps) < len(c.swaps)   # hides every swap it can: 23 MiB
+    for bad, match in (({"budget_share": 1.5}, r"budget_share must be a share of the joint "
+                                               r"peak in \(0, 1\], got 1.5"),
+                       ({"budget_share": 0.5, "budget_bytes": MB}, "not both")):
+        with pytest.raises(ValueError, match=match):
+            SchedulerServer(srv.path.parent / "x.sock", **bad)
+
+
 def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients):
     """``options.swap_cost_ms`` (a captured job's joins): the scheduler prices that job's
     swaps with it; under a budget the other job, whose swaps are free, takes the swap."""
