@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -248,9 +249,10 @@ def test_a_recompute_allowance_reaches_the_jobs_plans(start_server, clients):
         SchedulerServer(srv.path.parent / "x.sock", max_overhead=-1)
 
 
-def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clients):
+def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clients, caplog):
     """``budget_share``: at every re-plan the budget is that share of the jobs' joint peak
     without plans, so the plans move only what the cut needs (fewer swaps than none)."""
+    caplog.set_level(logging.INFO, logger="tensile.server")
     srv = start_server(budget_share=0.9)
     a, b = clients(srv, "a"), clients(srv, "b")
     alone = a.register(job_timeline(), bandwidths=BW)
@@ -261,6 +263,8 @@ def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clie
     joint = srv.last_joint
     assert joint.budget_bytes == int(0.9 * joint.peak_before) > alone.budget_bytes
     assert joint.feasible and joint.peak_after <= joint.budget_bytes
+    assert "(budget 0.9 of the joint peak)" in caplog.text       # listening
+    assert f"budget {int(0.9 * 33 * MB) / MB:.1f} MiB, feasible True" in caplog.text  # re-plans
     unlimited = start_server()
     c = clients(unlimited, "c").register(job_timeline(), bandwidths=BW)
     assert 0 < len(alone.swaps) < len(c.swaps)   # hides every swap it can: 23 MiB
