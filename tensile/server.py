@@ -1,6 +1,7 @@
 """The TENSILE scheduler process: one per GPU, many training jobs (reference §3.6).
 
     python -m tensile.server --socket /run/user/1000/tensile.sock --budget 60000000000
+    python -m tensile.server --socket /run/user/1000/tensile.sock --budget-share 0.8
 
 Jobs connect over a Unix socket (mode 0600; no TCP), register their access timeline and
 op times, and receive their part of one joint plan (:mod:`tensile.multi`). The scheduler
@@ -552,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.budget is not None and args.budget_share is not None:
+        ap.error(f"give --budget or --budget-share, not both (got {args.budget} bytes and "
+                 f"{args.budget_share})")
     try:
         server = SchedulerServer(args.socket, budget_bytes=args.budget,
                                  budget_share=args.budget_share,

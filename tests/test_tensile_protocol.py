@@ -275,6 +275,18 @@ def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clie
             SchedulerServer(srv.path.parent / "x.sock", **bad)
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--budget", "1G", "--budget-share", "0.5"],
+     "give --budget or --budget-share, not both (got 1073741824 bytes and 0.5)"),
+    (["--budget-share", "2"], "budget_share must be a share of the joint peak in (0, 1], got 2.0"),
+])
+def test_the_scheduler_command_refuses_a_bad_budget(argv, expected, sock_dir, capsys):
+    with pytest.raises(SystemExit) as exc:
+        server_mod.main(["--socket", str(sock_dir / "s.sock"), *argv])
+    assert exc.value.code == 2 and expected in capsys.readouterr().err
+    assert not (sock_dir / "s.sock").exists()
+
+
 def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients):
     """``options.swap_cost_ms`` (a captured job's joins): the scheduler prices that job's
     swaps with it; under a budget the other job, whose swaps are free, takes the swap."""
