@@ -1492,7 +1492,8 @@ def _parser() -> argparse.ArgumentParser:
                          "share (0, 1] of the jobs' joint peak without plans, so the plans "
                          "move only what that cut needs (default none)")
     ap.add_argument("--max-overhead", type=float, default=0.0,
-                    help="the scheduler's recompute allowance without --budget, a share of each "
+                    help="the scheduler's recompute allowance without a budget (--budget, "
+                         "--budget-share), a share of each "
                          "job's iteration time (default 0: swaps only)")
     ap.add_argument("--memory-gb", type=_positive_float, default=None,
                     help="emulate a GPU of this many GiB: caps every job process (cuda only)")

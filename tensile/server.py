@@ -98,8 +98,9 @@ class SchedulerServer:
     ``budget_bytes`` is for all jobs together (``None``: minimise the joint peak with
     hidden swaps, and with recomputation adding at most ``max_overhead`` x each job's
     iteration time); ``budget_share`` instead sets it at every re-plan to that share of
-    the jobs' joint peak without plans (:func:`tensile.multi.plan_jobs`). The copy bandwidths default to the smallest any job measured (one
-    GPU, one bus). A job silent for ``heartbeat_timeout_s`` is dropped.
+    the jobs' joint peak without plans (:func:`tensile.multi.plan_jobs`). The copy
+    bandwidths default to the smallest any job measured (one GPU, one bus). A job silent
+    for ``heartbeat_timeout_s`` is dropped.
     """
 
     def __init__(self, socket_path: str | os.PathLike | None = None, *,
@@ -150,9 +151,9 @@ class SchedulerServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError, NotImplementedError, RuntimeError):
                 self._loop.add_signal_handler(sig, self._stopped.set)  # main thread only
-        budget = ("none" if self.budget_bytes is None and self.budget_share is None else
-                  f"{self.budget_bytes} bytes" if self.budget_bytes is not None else
-                  f"{self.budget_share:g} of the joint peak")
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes} bytes"
+        if self.budget_share is not None:
+            budget = f"{self.budget_share:g} of the joint peak"
         log.info("TENSILE scheduler listening on %s (budget %s)", self.path, budget)
         self.ready.set()
         try:
@@ -373,8 +374,8 @@ class SchedulerServer:
             specs = [j.spec() for j in jobs]
             try:
                 joint = await asyncio.to_thread(
-                    plan_jobs, specs, budget_bytes=self.budget_bytes, budget_share=self.budget_share,
-                    d2h_bw=d2h, h2d_bw=h2d,
+                    plan_jobs, specs, budget_bytes=self.budget_bytes,
+                    budget_share=self.budget_share, d2h_bw=d2h, h2d_bw=h2d,
                     copy_latency_ms=self.copy_latency_ms, max_overhead=self.max_overhead)
             except Exception as e:
                 log.exception("re-plan failed (%s); jobs keep their plans", "; ".join(reasons))
@@ -542,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead of --budget: at every re-plan, this share (0, 1] of the jobs' "
                          "joint peak without plans; the plans move only what that cut needs")
     ap.add_argument("--max-overhead", type=float, default=0.0,
-                    help="without --budget, also recompute activations while that adds at "
+                    help="without a budget, also recompute activations while that adds at "
                          "most this share of each job's iteration time (default 0: swaps only)")
     ap.add_argument("--heartbeat-timeout", type=float, default=60.0,
                     help="drop a job silent for this many seconds (default 60)")
