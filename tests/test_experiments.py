@@ -489,7 +489,11 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
         assert any(f"-m experiments.run +sweep={sweep}" in c for c in commands)
         assert (CONF / "sweep" / f"{sweep}.yaml").exists()
     assert "experiments.analysis" in commands[0] and "experiments.report" in commands[-1]
-    assert sum("-m experiments.tensile_multi --scenario" in c for c in commands) == 3
+    multi = [c for c in commands if "-m experiments.tensile_multi --scenario" in c]
+    assert len(multi) == 4
+    # the setting that met the authors' several-jobs figures, as results/h200/README.md ran it
+    assert "--budget-share 0.8" in multi[-1] and "--stream-resident 16" in multi[-1]
+    assert "--captured" in multi[-1] and "--trim-blas tensile" in multi[-1]
     (headroom,) = [c for c in commands if "-m experiments.headroom" in c]
     assert "--batch 1,32" in headroom and "--results" in headroom
     (kernels,) = [c for c in commands if "-m experiments.kernels" in c]
@@ -504,6 +508,17 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     assert skipped == []
 
 
+@pytest.mark.parametrize("has_mps", [True, False])
+def test_reproduce_runs_the_authors_several_jobs_setting_through_mps_where_there_is_one(
+        monkeypatch, has_mps):
+    from experiments import mps, reproduce
+    monkeypatch.setattr(mps, "available", lambda: has_mps)
+    steps, _ = reproduce.plan(cuda=True)
+    multi = [cmd for _, cmd in steps if "experiments.tensile_multi" in cmd]
+    assert ("--mps" in multi[-1]) == has_mps
+    assert not any("--mps" in cmd for cmd in multi[:-1])
+
+
 def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     from experiments import reproduce
     steps, skipped = reproduce.plan(cuda=False)
@@ -514,7 +529,7 @@ def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     assert sum("-m experiments.tensile_bounds --gpu h200" in c for c in commands) == 1
     assert "experiments.report" in commands[-1]
     assert all(any(s in line for line in skipped) for s in reproduce.GPU_SWEEPS)
-    assert sum("TENSILE, several jobs" in line for line in skipped) == 3
+    assert sum("TENSILE, several jobs" in line for line in skipped) == 4
     assert any("concurrency headroom" in line for line in skipped)
     assert any("kernel census" in line for line in skipped)
     assert any("thread-stack memory (experiments/stack_trim.py)" in line for line in skipped)
