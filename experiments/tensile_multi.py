@@ -243,6 +243,7 @@ class Options:
     stream_resident: int | str = 0      # ... its first groups whose state stays on the device,
                                         # or "auto" (tensile.tune_resident, for the setting's jobs)
     stream_overhead: float = DEFAULT_STREAM_OVERHEAD   # ... with "auto": the delay the streaming may add
+    stream_chunk_mb: float | None = None   # ... each update on at most this many MiB of parameters
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
     trim_stack: str = "none"            # which phases' jobs give back their thread-stack
                                         # reservation after their first step (PHASES)
@@ -280,7 +281,7 @@ def _suffix(opts: Options) -> str:
     if opts.stream_optimizer:
         from experiments.tensile_run import stream_label   # as experiment=tensile names them
         parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident,
-                              opts.stream_overhead)
+                              opts.stream_overhead, opts.stream_chunk_mb)
     if opts.mps:
         parts.append("mps")
     if opts.trim_stack != "none":
@@ -548,6 +549,7 @@ def run_job(p: dict) -> dict:
                 model, opt, batch, classification_loss, groups=p["stream_optimizer"],
                 prefetch=p.get("stream_prefetch", DEFAULT_PREFETCH),
                 resident=p.get("stream_resident", 0), max_overhead=p.get("stream_overhead", DEFAULT_STREAM_OVERHEAD),
+                update_chunk_mb=p.get("stream_chunk_mb"),
                 jobs=p.get("jobs", 1), h2d_bw=p["rates"]["h2d_bw"], d2h_bw=p["rates"]["d2h_bw"])
             tuned = streamed.tuned
         sched = Scheduler(model, opt, batch, classification_loss, simulate=not cuda,
@@ -839,7 +841,7 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "socket": None if sock is None else str(sock), "captured": opts.captured,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
-            "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
+            "stream_chunk_mb": opts.stream_chunk_mb, "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
             "trim_blas": phase in PHASES[opts.trim_blas], "compact": phase in PHASES[opts.compact]}
 
 
@@ -1525,6 +1527,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stream-overhead", type=float, default=DEFAULT_STREAM_OVERHEAD, metavar="F",
                     help="with --stream-resident auto: the delay allowed, a share of the step "
                          f"(default {DEFAULT_STREAM_OVERHEAD})")
+    ap.add_argument("--stream-chunk", type=_positive_float, default=None, metavar="MB",
+                    help="with --stream-optimizer: each update on at most MB MiB of parameters at "
+                         "a time, larger ones in slices (bounds the optimizer's temporaries; "
+                         "default: a group at once)")
     ap.add_argument("--trim-stack", choices=tuple(PHASES), default="none",
                     help="jobs give back their CUDA context's thread-stack reservation after "
                          "their first step (tensile.trim_stack): none, tensile (TENSILE's jobs) "
@@ -1594,6 +1600,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                  "--stream-optimizer too")
     if not 0 <= args.stream_overhead < 1:
         ap.error(f"--stream-overhead must be a share of the step in [0, 1), got {args.stream_overhead}")
+    if args.stream_chunk is not None and not args.stream_optimizer:
+        ap.error("--stream-chunk bounds the streamed optimizer's updates: give --stream-optimizer too")
     if not 0 <= args.max_overhead < 1:
         ap.error(f"--max-overhead must be a share of the iteration time in [0, 1), got {args.max_overhead}")
     if args.budget_share is not None:
@@ -1615,7 +1623,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
                    captured=args.captured, stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
-                   stream_overhead=args.stream_overhead, mps=args.mps, trim_stack=args.trim_stack,
+                   stream_overhead=args.stream_overhead, stream_chunk_mb=args.stream_chunk,
+                   mps=args.mps, trim_stack=args.trim_stack,
                    trim_blas=args.trim_blas, compact=args.compact)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 

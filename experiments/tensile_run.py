@@ -139,6 +139,10 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
+    sc = exp.get("stream_chunk_mb")
+    if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not sc > 0):
+        raise ConfigError(f"experiment.stream_chunk_mb must be MiB > 0 (the most parameter bytes "
+                          f"one optimizer update call takes) or null, got {sc!r}")
     for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot",
                  "time_captured_copies"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
@@ -329,7 +333,13 @@ def stream_opts(exp) -> dict[str, Any]:
     return {"stream_optimizer": int(exp.stream_optimizer),
             "stream_prefetch": int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
             "stream_resident": _resident(exp),
-            "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD))}
+            "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
+            "stream_chunk_mb": _chunk(exp)}
+
+
+def _chunk(exp) -> float | None:
+    sc = exp.get("stream_chunk_mb")
+    return None if sc is None else float(sc)
 
 
 def stream_knobs(name: str, exp) -> list[str]:
@@ -337,15 +347,16 @@ def stream_knobs(name: str, exp) -> list[str]:
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
     return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
-                        _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)))
+                        _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
+                        _chunk(exp))
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
-                 overhead: float = DEFAULT_STREAM_OVERHEAD) -> list[str]:
+                 overhead: float = DEFAULT_STREAM_OVERHEAD, chunk_mb: float | None = None) -> list[str]:
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
-    unless 1 (rows from before the default became 2 meant 1), resident unless 0, and with
-    ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`). Also
-    ``experiments.tensile_multi``'s settings."""
+    unless 1 (rows from before the default became 2 meant 1), resident unless 0, with
+    ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`), and the
+    update's chunk when there is one. Also ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
         knobs.append(f"stream_prefetch={prefetch}")
@@ -353,6 +364,8 @@ def stream_label(groups: int, prefetch: int, resident: int | str,
         knobs.append(f"stream_resident={resident}")
     if resident == AUTO:
         knobs.append(f"stream_overhead={overhead:g}")
+    if chunk_mb is not None:
+        knobs.append(f"stream_chunk={chunk_mb:g}")
     return knobs
 
 

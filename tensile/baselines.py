@@ -30,7 +30,8 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   in backward, Adam's state streamed from the host; 0: not; ``stream_prefetch``: its groups
   copied in ahead; ``stream_resident``: its first groups whose state stays on the device, or
   ``"auto"``: chosen by :func:`tensile.tune_resident` within ``stream_overhead`` of the step,
-  for ``stream_jobs`` jobs sharing the link); ``time_copies=True``: timing events around
+  for ``stream_jobs`` jobs sharing the link; ``stream_chunk_mb``: each update on at most that
+  many MiB of parameters at a time); ``time_copies=True``: timing events around
   the graph's copies (the row's ``*_gbps_captured``; they slow each wait for a copy, see
   ``Scheduler.capture``);
 * ``streamed_graph``: the vanilla step captured with :func:`tensile.stream_optimizer`
@@ -331,7 +332,8 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 
 def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
                     stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int | str = 0,
-                    stream_overhead: float = DEFAULT_STREAM_OVERHEAD, stream_jobs: int = 1) -> StepFn:
+                    stream_overhead: float = DEFAULT_STREAM_OVERHEAD, stream_jobs: int = 1,
+                    stream_chunk_mb: float | None = None) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
@@ -339,7 +341,8 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
         raise ValueError(f"streamed_graph captures a CUDA graph: it needs a CUDA model (model on {device})")
     streamed = install_streamed(model, optimizer, example_batch, loss_fn, groups=stream_optimizer,
                                 prefetch=stream_prefetch, resident=stream_resident,
-                                max_overhead=stream_overhead, jobs=stream_jobs)
+                                max_overhead=stream_overhead, jobs=stream_jobs,
+                                update_chunk_mb=stream_chunk_mb)
     captured = _graph(model, optimizer, loss_fn, example_batch)
     return StepFn("streamed_graph", captured.run,
                   lambda: {**captured.stats(), **_stream_stats(streamed)})
@@ -348,7 +351,8 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
 def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, simulate=None,
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
                    stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
-                   stream_jobs: int = 1, time_copies: bool = False, **scheduler_kwargs) -> StepFn:
+                   stream_jobs: int = 1, stream_chunk_mb: float | None = None,
+                   time_copies: bool = False, **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
@@ -360,7 +364,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                                     groups=stream_optimizer, prefetch=stream_prefetch,
                                     resident=stream_resident, max_overhead=stream_overhead,
                                     jobs=stream_jobs, h2d_bw=scheduler_kwargs.get("h2d_bw"),
-                                    d2h_bw=scheduler_kwargs.get("d2h_bw"))
+                                    d2h_bw=scheduler_kwargs.get("d2h_bw"),
+                                    update_chunk_mb=stream_chunk_mb)
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)

@@ -223,7 +223,8 @@ def _verified(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
 def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
                      loss_fn: Callable | None, *, groups: int, prefetch: int,
                      resident: int | str = 0, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
-                     h2d_bw: float | None = None, d2h_bw: float | None = None) -> StreamedOptimizer:
+                     h2d_bw: float | None = None, d2h_bw: float | None = None,
+                     update_chunk_mb: float | None = None) -> StreamedOptimizer:
     """:func:`tensile.stream_optimizer` with ``resident`` a number of groups, or ``"auto"``:
     then every group starts resident, one training step creates the optimizer's state
     (it trains: a warm-up step), and :func:`tune_resident` chooses within ``max_overhead``
@@ -231,8 +232,8 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if resident != AUTO:
         if isinstance(resident, str):
             raise ValueError(f"resident: expected a number of groups or {AUTO!r}, got {resident!r}")
-        return stream_optimizer(optimizer, groups, prefetch, resident)
-    streamed = stream_optimizer(optimizer, groups, prefetch, groups)
+        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb)
+    streamed = stream_optimizer(optimizer, groups, prefetch, groups, update_chunk_mb)
     training_step(model, optimizer, batch, loss_fn)
     tune_resident(streamed, model, batch, loss_fn, max_overhead=max_overhead, jobs=jobs,
                   h2d_bw=h2d_bw, d2h_bw=d2h_bw)

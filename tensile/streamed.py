@@ -29,6 +29,13 @@ that copy then. The rest go when backward ends, after the compute stream waited 
 last copies out. So about ``prefetch + 1`` groups' state and one group's gradients are on
 the device at a time, and the copies run beside backward's kernels.
 
+A PyTorch optimizer's update makes temporaries as large as the parameters it updates (Adam's
+``sqrt(v)``: one for every parameter of the group), and on VGG-16 those of its first fully
+connected layer (392 MiB) sit on top of the step's peak. ``update_chunk_mb`` bounds them: each
+group's update runs as several calls of the optimizer's own ``step`` on at most that many MiB of
+parameters, a larger parameter cut into flat slices whose state is the matching slices of its
+state (bit for bit the same for an elementwise optimizer: tests).
+
 The first groups backward updates come in during backward's short start (ResNet-50's layer 4
 holds most of its weights), faster than two copy engines can carry them: ``resident=k``
 keeps the state of the first ``k`` groups on the device, trading memory for that wait;
@@ -97,14 +104,17 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
-                     prefetch: int = DEFAULT_PREFETCH, resident: int = 0) -> "StreamedOptimizer":
+                     prefetch: int = DEFAULT_PREFETCH, resident: int = 0,
+                     update_chunk_mb: float | None = None) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
     of the group updating (:data:`DEFAULT_PREFETCH`); the first ``resident`` groups backward
     updates keep their state on the device (all ``groups``: only the update moves into
-    backward, which drops the gradients early; :func:`tensile.tune_resident` chooses it).
-    Returns the handle; ``.remove()`` undoes it."""
-    return StreamedOptimizer(optimizer, groups, prefetch, resident)
+    backward, which drops the gradients early; :func:`tensile.tune_resident` chooses it);
+    ``update_chunk_mb``: each update on at most that many MiB of parameters at a time, which
+    bounds the optimizer's temporaries (None: a group at once). Returns the handle;
+    ``.remove()`` undoes it."""
+    return StreamedOptimizer(optimizer, groups, prefetch, resident, update_chunk_mb)
 
 
 class StreamedOptimizer:
@@ -116,7 +126,7 @@ class StreamedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16,
                  prefetch: int = DEFAULT_PREFETCH,
-                 resident: int = 0) -> None:
+                 resident: int = 0, update_chunk_mb: float | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -131,6 +141,11 @@ class StreamedOptimizer:
             raise ValueError(f"resident: expected an int from 0 to groups = {groups} (groups whose "
                              f"state stays on the device; all: only the update moves into "
                              f"backward), got {resident!r}")
+        if update_chunk_mb is not None and (isinstance(update_chunk_mb, bool)
+                                            or not isinstance(update_chunk_mb, (int, float))
+                                            or not update_chunk_mb > 0):
+            raise ValueError(f"update_chunk_mb: expected MiB > 0 (the most parameter bytes one "
+                             f"update call takes) or None, got {update_chunk_mb!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -143,6 +158,7 @@ class StreamedOptimizer:
         self.prefetch = prefetch
         self.groups = _split(params[::-1], groups)
         self.resident = min(resident, len(self.groups))
+        self.update_chunk = None if update_chunk_mb is None else max(1, int(update_chunk_mb * 2**20))
         self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
         self.updates_in_backward = 0
         self.late_updates = 0
@@ -339,7 +355,7 @@ class StreamedOptimizer:
             self._marks(g)
         if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
             self._bring_in(g, self._new_slot(grp.host.numel()))
-        opt, state = self.optimizer, self.optimizer.state
+        state = self.optimizer.state
         slot = grp.slot
         if slot is not None:
             if self.cuda:
@@ -348,12 +364,8 @@ class StreamedOptimizer:
                 state[p][key] = _view(slot.device, off, state[p][key])
         # a parameter updated for the first time gets its state now, on the device
         self._new_state |= any(p.grad is not None and not state.get(p) for p in grp.params)
-        saved = opt.param_groups
-        opt.param_groups = _subgroups(saved, grp.params)
-        try:
-            self._original["step"]()
-        finally:
-            opt.param_groups = saved
+        for piece in self._pieces(grp.params):
+            self._step_on(piece)
         for p in grp.params:
             p.grad = None
         self._done.add(g)
@@ -379,6 +391,76 @@ class StreamedOptimizer:
                   and self._updates - s.freed_at >= self.prefetch + 1]:
             self._retire(s)   # its copy-out had prefetch + 1 updates' time to finish
         self._fill()
+
+    def _pieces(self, params: list) -> list[list]:
+        """``params`` in runs of at most ``update_chunk`` bytes (one run without a bound); a
+        larger parameter alone, as ``(parameter, slice length)``: :meth:`_step_sliced`."""
+        if self.update_chunk is None:
+            return [params]
+        out, run, acc = [], [], 0
+        for p in params:
+            n = p.numel() * p.element_size()
+            if n > self.update_chunk and self._sliceable(p):
+                out += [run] if run else []
+                out.append([(p, max(1, self.update_chunk // p.element_size()))])
+                run, acc = [], 0
+                continue
+            if run and acc + n > self.update_chunk:
+                out.append(run)
+                run, acc = [], 0
+            run.append(p)
+            acc += n
+        return out + ([run] if run else [])
+
+    def _sliceable(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s update can run on flat slices: it has state already (a first update
+        creates it whole) and it, its gradient and its parameter-shaped state are contiguous."""
+        st = self.optimizer.state.get(p)
+        return bool(st) and p.grad is not None and p.is_contiguous() and p.grad.is_contiguous() \
+            and all(v.is_contiguous() for k, v in st.items() if _streamed_key(p, k, v))
+
+    def _step_on(self, piece: list) -> None:
+        """The optimizer's own ``step`` on ``piece``: parameters, or one sliced parameter."""
+        if piece and isinstance(piece[0], tuple):
+            self._step_sliced(*piece[0])
+            return
+        opt = self.optimizer
+        saved = opt.param_groups
+        opt.param_groups = _subgroups(saved, piece)
+        try:
+            self._original["step"]()
+        finally:
+            opt.param_groups = saved
+
+    def _step_sliced(self, p: torch.Tensor, length: int) -> None:
+        """``p``'s update as one ``step`` per flat slice of ``length`` elements: each slice a view
+        of ``p`` with the matching slices of its gradient and parameter-shaped state, and its own
+        copy of the rest (Adam's step count), written back once the last slice is done."""
+        opt, state = self.optimizer, self.optimizer.state
+        st = state[p]
+        flat, grad = p.detach().view(-1), p.grad.view(-1)
+        saved, last = opt.param_groups, None
+        groups = _subgroups(saved, [p])
+        try:
+            for a in range(0, flat.numel(), length):
+                piece = flat[a:a + length]   # a view: the update writes p's memory
+                piece.grad = grad[a:a + length]
+                state[piece] = {k: v.view(-1)[a:a + length] if _streamed_key(p, k, v)
+                                else (v.clone() if isinstance(v, torch.Tensor) else v)
+                                for k, v in st.items()}
+                opt.param_groups = [{**groups[0], "params": [piece]}]
+                self._original["step"]()
+                last = state.pop(piece)
+                piece.grad = None
+        finally:
+            opt.param_groups = saved
+        for k, v in st.items():   # the step count: every slice advanced its copy alike
+            if _streamed_key(p, k, v):
+                continue
+            if isinstance(v, torch.Tensor):
+                v.copy_(last[k])   # in place: a captured graph keeps its address
+            else:
+                st[k] = last[k]
 
     def _finish(self) -> None:
         """After backward: update the groups backward did not complete (a parameter without

@@ -318,6 +318,9 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
      r"stream_resident must be a number of groups from 0 to stream_optimizer, or 'auto', got 'some'"),
     (["experiment.stream_optimizer=4", "experiment.stream_overhead=1.5"],
      r"stream_overhead must be a fraction of the step in \[0, 1\), got 1.5"),
+    (["experiment.stream_optimizer=4", "experiment.stream_chunk_mb=0"],
+     r"stream_chunk_mb must be MiB > 0 \(the most parameter bytes one optimizer update call "
+     r"takes\) or null, got 0"),
     (["experiment.match_peak=checkpoint"],
      r"match_peak='checkpoint' plans tensile_graph to that method's peak: add tensile_graph"),
     (["experiment.match_peak=tensile_graph", "experiment.methods=[vanilla,tensile_graph]"],
@@ -567,7 +570,15 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run.method_label("streamed_graph", rs) == \
         "streamed_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("streamed_graph", rs, "cuda", None, None, {}) == {
-        "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4, "stream_overhead": 0.05}
+        "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4, "stream_overhead": 0.05,
+        "stream_chunk_mb": None}
+    # a bounded update (tensile.stream_optimizer's update_chunk_mb): named, and passed on
+    chunked = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                        "experiment.stream_chunk_mb=64"]).experiment
+    assert tensile_run.method_label("tensile_graph", chunked) == \
+        "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_chunk=64)"
+    assert tensile_run._method_opts("streamed_graph", chunked, "cuda", None, None, {})[
+        "stream_chunk_mb"] == 64.0
     # resident=auto (tensile.tune_resident): the label names it and its allowance
     auto = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
                      "experiment.stream_resident=auto", "experiment.stream_overhead=0.1"]).experiment

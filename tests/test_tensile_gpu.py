@@ -178,14 +178,14 @@ def _captured_vanilla(data, width: int, factory=make_cnn):
 
 
 def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0,
-                      time_copies: bool = False, **sched_kwargs):
+                      time_copies: bool = False, stream_kwargs: dict | None = None, **sched_kwargs):
     """Two ordinary scheduled steps, then the planned step captured and replayed over the rest
-    (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups; ``time_copies``:
-    timing events around the graph's copies)."""
+    (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups and
+    ``stream_kwargs``; ``time_copies``: timing events around the graph's copies)."""
     model = factory(width=width)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     if stream_groups:
-        tensile.stream_optimizer(opt, groups=stream_groups)
+        tensile.stream_optimizer(opt, groups=stream_groups, **(stream_kwargs or {}))
     sched_kwargs.setdefault("allow_cross_iteration", False)   # a graph keeps their addresses
     sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **sched_kwargs)
     for b in data[:2]:
@@ -260,6 +260,41 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     for a, b in zip(expected, states(model, opt)):
         assert torch.equal(a, b.cpu()), "the streamed step differs from plain eager Adam"
     assert streamed_peak <= vanilla_peak - moment_bytes / 2
+
+
+def make_wide_mlp(width: int = 4096) -> nn.Module:
+    """VGG-16's head in small: a ``width`` x ``width`` layer (64 MiB at 4096) between small ones."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, width), nn.ReLU(),
+                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)).cuda()
+
+
+@pytest.mark.parametrize("resident", [0, 4], ids=["streamed", "resident"])
+def test_a_chunked_update_trains_exactly_captured_and_takes_its_temporaries_off_the_peak(resident):
+    """``update_chunk_mb=8``: the 64 MiB layer's update runs on 8 MiB slices inside the
+    captured step. Training stays bit for bit plain eager Adam's, and the captured peak loses
+    most of the temporary Adam's update made as large as the layer (its ``sqrt(v)``)."""
+    data = batches(8, batch=2, hw=8)
+    m0, o0 = _eager(data, 4096, factory=make_wide_mlp)
+    expected = [t.detach().cpu().clone() for t in states(m0, o0)]
+    layer = 4096 * 4096 * 4
+    del m0, o0
+    peaks = {}
+    for chunk in (None, 8):
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        model, opt, _, graph = _captured_tensile(
+            data, 4096, factory=make_wide_mlp, stream_groups=4, allow_recompute=False,
+            stream_kwargs={"resident": resident, "update_chunk_mb": chunk})
+        peaks[chunk] = graph.peak_bytes - base
+        for a, b in zip(expected, states(model, opt)):
+            assert torch.equal(a, b.cpu()), f"update_chunk_mb={chunk} differs from plain eager Adam"
+        del model, opt, graph
+    print(f"captured peak above the start: {peaks[None] / 2**20:.1f} MiB a group at once, "
+          f"{peaks[8] / 2**20:.1f} MiB in 8 MiB slices")
+    assert peaks[None] - peaks[8] >= layer - 2 * 8 * 2**20
 
 
 @pytest.mark.parametrize("prefetch", [

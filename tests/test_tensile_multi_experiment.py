@@ -200,14 +200,16 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     setting's two jobs on one link (tensile.tune_resident); both phases finish."""
     args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
             "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "auto",
-            "--stream-overhead", "0.1", "--compact", "tensile", "--results-dir", str(tmp_path), *SMOKE]
+            "--stream-overhead", "0.1", "--stream-chunk", "0.01", "--compact", "tensile",
+            "--results-dir", str(tmp_path), *SMOKE]
     assert tm.main(args) == 0
     rows = {r["backend"]: r for r in _rows(tmp_path)}
     assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
         assert r["mode"] == ("copies:mobilenet_v2x2,img=32,stream_optimizer=4,stream_prefetch=2,"
-                             "stream_resident=auto,stream_overhead=0.1,compact=tensile")
+                             "stream_resident=auto,stream_overhead=0.1,stream_chunk=0.01,"
+                             "compact=tensile")
     n_params = len(list(models.build_model("mobilenet_v2", num_classes=10).parameters()))
     for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
         e = rows[job]["extra"]
@@ -419,6 +421,10 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
      ["--stream-resident auto chooses among --stream-optimizer's groups"]),
     (["--scenario", "copies", "--stream-optimizer", "4", "--stream-overhead", "2"],
      ["--stream-overhead must be a share of the step in [0, 1), got 2.0"]),
+    (["--scenario", "copies", "--stream-chunk", "64"],
+     ["--stream-chunk bounds the streamed optimizer's updates: give --stream-optimizer too"]),
+    (["--scenario", "copies", "--stream-optimizer", "4", "--stream-chunk", "0"],
+     ["expected a positive number, got '0'"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "

@@ -153,12 +153,16 @@ def test_bad_groups_twice_and_a_closure_are_refused():
         opt.step(lambda: 0.0)
 
 
-def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
+@pytest.mark.parametrize("chunk", [None, 1 / 1024], ids=["whole", "sliced"])
+def test_a_scheduler_plans_and_runs_the_streamed_step_exactly(chunk):
     """The step TENSILE records has the updates and copies in backward and no optimizer state
-    among its device tensors; planned and run (simulation), it trains like the plain step."""
+    among its device tensors; planned and run (simulation), it trains like the plain step,
+    also with its updates on 1 KiB slices (the 2.3 KiB conv weights sliced)."""
     data = batches(8)
     m0, o0 = train_plain(data)
-    model, opt, streamed = streamed_model(3)
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, update_chunk_mb=chunk)
     sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
                               allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
                               peak_flops=1e12, peak_bytes_per_s=1e11)
@@ -166,7 +170,8 @@ def test_a_scheduler_plans_and_runs_the_streamed_step_exactly():
     assert {key for _, key in sched.recording.opt_state_keys.values()} == {"step"}
     nodes = sched.recording.graph.nodes
     assert not [n for n in nodes if n.phase == "optimizer"]   # every update ran in backward
-    copies = [n for n in nodes if n.phase == "backward" and n.name == "aten.copy_.default"]
+    copies = [n for n in nodes if n.phase == "backward" and n.name == "aten.copy_.default"
+              and n.input_dtypes[0] == "torch.uint8"]            # the state's regions, as bytes
     assert len(copies) == 2 * len(streamed.groups)            # each group's state in and out
     for b in data:
         sched.step(*b)
@@ -293,3 +298,77 @@ def test_a_far_larger_first_group_does_not_size_the_slots_of_the_small_ones():
     large = max(needs)
     for need, got in zip(needs, slot_bytes):
         assert need <= got <= 2 * max(need, max(n for n in needs if n < large)), (needs, slot_bytes)
+
+
+def _wide(seed: int = 0) -> nn.Module:
+    """A 256x256 layer (256 KiB of weights) between small ones."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def _wide_batches(n: int):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(4, 16, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+], ids=["adam", "amsgrad", "adamw", "sgd"])
+@pytest.mark.parametrize("resident", [0, 3])
+def test_a_chunked_update_trains_bit_for_bit_and_steps_on_at_most_the_chunk(make_opt, resident):
+    """``update_chunk_mb``: every call of the optimizer's own step takes at most that many
+    bytes of parameters (the 256 KiB weight in 16 KiB slices), and training is exact."""
+    data = _wide_batches(5)
+    m0 = _wide()
+    o0 = make_opt(m0.parameters())
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    model = _wide()
+    opt = make_opt(model.parameters())
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=resident,
+                                        update_chunk_mb=1 / 64)
+    calls = []
+    original = streamed._original["step"]
+
+    def counting_step():
+        calls.append([p for g in opt.param_groups for p in g["params"]])
+        return original()
+
+    streamed._original["step"] = counting_step
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    later = calls[1:]   # the first step creates the state whole, after backward
+    assert max(sum(p.numel() * p.element_size() for p in c) for c in later) <= 16 * 1024
+    own = {id(p) for p in model.parameters()}
+    slices = [p for c in later for p in c if id(p) not in own]
+    assert len(slices) == 16 * (len(data) - 1)   # 65536 weights in slices of 4096, each step
+    assert not any(p in opt.state for p in slices)   # their state was the weight's, lent
+
+
+def test_a_chunked_update_lowers_the_recorded_peak_by_the_temporaries_it_bounds():
+    """Adam's update makes a temporary as large as the parameters it updates: the 256 KiB
+    weight's sits on the recorded step's peak, and 16 KiB slices take about 240 KiB off it."""
+    data = _wide_batches(3)
+    peaks = {}
+    for chunk in (None, 1 / 64):
+        model = _wide()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        tensile.stream_optimizer(opt, groups=3, prefetch=1, update_chunk_mb=chunk)
+        for b in data[:-1]:
+            training_step(model, opt, b, LOSS)
+        rec = tensile.record_step(model, opt, data[-1], LOSS)
+        peaks[chunk] = max(rec.timeline([1.0] * len(rec.graph.nodes)).vanilla_curve())
+    weight = 256 * 256 * 4
+    assert weight - 2 * 16 * 1024 <= peaks[None] - peaks[1 / 64] <= weight
+
+
+@pytest.mark.parametrize("chunk", [0, -1.0, True, "64"])
+def test_a_bad_update_chunk_is_refused(chunk):
+    opt = torch.optim.Adam(make_model().parameters())
+    with pytest.raises(ValueError, match=r"update_chunk_mb: expected MiB > 0 .* got"):
+        tensile.stream_optimizer(opt, update_chunk_mb=chunk)
