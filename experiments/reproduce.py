@@ -53,6 +53,16 @@ TENSILE_MULTI_AUTHORS = ["--scenario", "copies", "--copies", "1,2,3", "--batch",
                          "--stream-optimizer", "16", "--stream-prefetch", "2",
                          "--stream-resident", "16", "--budget-share", "0.8",
                          "--trim-stack", "tensile", "--compact", "tensile", "--trim-blas", "tensile"]
+# VGG-16, whose batch-2 peak is weights, gradients and Adam state, met the authors' x2 and x3
+# figures this way (results/h200/README.md, forty-second session): the optimizer streamed with
+# the groups kept on the device chosen by tensile.tune_resident, each update in slices of at most
+# 64 MiB (fc6's weight alone is 392 MiB), swaps only, the process trims, PyTorch's expandable
+# segments (an environment variable, so the command sets it).
+TENSILE_MULTI_VGG = ["--scenario", "copies", "--models", "vgg16", "--copies", "2,3", "--batch", "2",
+                     "--captured", "--stream-optimizer", "16", "--stream-prefetch", "2",
+                     "--stream-resident", "auto", "--stream-overhead", "0.02", "--stream-chunk", "64",
+                     "--trim-stack", "tensile", "--compact", "tensile", "--trim-blas", "tensile"]
+EXPANDABLE = ["env", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]
 # The GPU's concurrency at batch 1 and 32 (experiments/headroom.py): the multi-stream nets.
 HEADROOM = ["--models", "nasnet_a_mobile,nasnet_a_large,amoebanet,darts,inception_v3,googlenet",
             "--batch", "1,32", "--copies", "2"]
@@ -96,10 +106,12 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
         steps += [tensile_plans(gpu_slug()), tensile_plans(gpu_slug(), streamed=True),
                   tensile_bounds(gpu_slug())]
         from experiments.mps import available as mps_available
-        authors = TENSILE_MULTI_AUTHORS + (["--mps"] if mps_available() else [])
-        steps += [(f"TENSILE, several jobs: {' '.join(args)}",
-                   [sys.executable, "-m", "experiments.tensile_multi", *args])
-                  for args in [*TENSILE_MULTI, authors]]
+        mps = ["--mps"] if mps_available() else []
+        multi = [sys.executable, "-m", "experiments.tensile_multi"]
+        steps += [(f"TENSILE, several jobs: {' '.join(args)}", [*multi, *args])
+                  for args in [*TENSILE_MULTI, TENSILE_MULTI_AUTHORS + mps]]
+        steps.append((f"TENSILE, several jobs, expandable segments: {' '.join(TENSILE_MULTI_VGG)}",
+                      [*EXPANDABLE, *multi, *TENSILE_MULTI_VGG, *mps]))
         steps.append(("concurrency headroom: K model copies, one stream vs K streams",
                       [sys.executable, "-m", "experiments.headroom", *HEADROOM,
                        "--results", str(RESULTS)]))
@@ -117,7 +129,7 @@ def plan(cuda: bool, sweeps: list[str] | None = None) -> tuple[list[tuple[str, l
              tensile_bounds("h200"), ("CPU smoke run: " + CPU_SMOKE[-1], _app(*CPU_SMOKE)), report]
     skipped = [f"sweep {s} (conf/sweep/{s}.yaml): needs a CUDA GPU" for s in sweeps]
     skipped += [f"TENSILE, several jobs ({' '.join(a)}): needs a CUDA GPU"
-                for a in [*TENSILE_MULTI, TENSILE_MULTI_AUTHORS]]
+                for a in [*TENSILE_MULTI, TENSILE_MULTI_AUTHORS, TENSILE_MULTI_VGG]]
     skipped.append("concurrency headroom (experiments/headroom.py): needs a CUDA GPU")
     skipped.append("kernel census (experiments/kernels.py): needs a CUDA GPU")
     skipped.append("thread-stack memory (experiments/stack_trim.py): needs a CUDA GPU")
