@@ -372,3 +372,39 @@ def test_a_bad_update_chunk_is_refused(chunk):
     opt = torch.optim.Adam(make_model().parameters())
     with pytest.raises(ValueError, match=r"update_chunk_mb: expected MiB > 0 .* got"):
         tensile.stream_optimizer(opt, update_chunk_mb=chunk)
+
+
+def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time():
+    """Groups only about equal: a slot too small for the group that comes leaves the ring for
+    a larger one, and is given back (the compute stream waiting for its copy-out) only
+    ``prefetch + 1`` updates after that copy-out was issued, never at once (the code before
+    gave it back with 0 updates between); training stays exact."""
+    dims = [13, 7, 12, 12, 10, 10, 12]   # six layers, one group each, about equal
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:])])
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, dims[0], generator=g), torch.randint(0, dims[-1], (4,), generator=g))
+            for _ in range(3)]
+    m0, o0 = make()
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    for prefetch in (1, 2):
+        model, opt = make()
+        streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
+        assert [len(grp.params) for grp in streamed.groups] == [1] * 6
+        given_back = []   # per slot given back during backward: updates since its copy-out
+        retire = streamed._retire
+
+        def spy(slot):
+            given_back.append(streamed._updates - slot.freed_at)
+            retire(slot)
+
+        streamed._retire = spy
+        for b in data:
+            training_step(model, opt, b, LOSS)
+        assert_same_training(m0, o0, model, opt)
+        assert given_back and all(n >= prefetch + 1 for n in given_back), given_back
