@@ -408,3 +408,35 @@ def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time():
             training_step(model, opt, b, LOSS)
         assert_same_training(m0, o0, model, opt)
         assert given_back and all(n >= prefetch + 1 for n in given_back), given_back
+
+
+@pytest.mark.parametrize("groups", [4, 8, 16])
+def test_from_eight_groups_the_first_and_last_are_a_quarter_of_the_others(groups):
+    """Backward's first update waits for the first group's copy in and the step's end for the
+    last group's copy out: from eight groups on those two are a quarter of the others' bytes;
+    below, all are equal. Training stays exact either way."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(64)])
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(4, 16, generator=g), torch.randint(0, 16, (4,), generator=g)) for _ in range(3)]
+    m0, o0 = make()
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=groups)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    sizes = [len(grp.params) for grp in streamed.groups]   # equal layers: bytes go by count
+    assert len(sizes) == groups and sum(sizes) == 64
+    middle = sizes[1:-1]
+    mean = sum(middle) / len(middle)
+    assert max(middle) - min(middle) <= 1
+    for end in (sizes[0], sizes[-1]):   # within one layer of the share
+        if groups >= 8:
+            assert abs(end - tensile.streamed.END_SHARE * mean) <= 1 and end < mean / 2, sizes
+        else:
+            assert abs(end - mean) <= 1, sizes
