@@ -29,7 +29,8 @@ one, and one far larger than every group still to come (VGG-16's first fully con
 is dropped too; either is given back ``prefetch + 1`` updates after its copy-out was issued,
 the compute stream waiting for that copy then, long done by then (given back at once, the
 compute stream waited for it: three such waits a step cost Inception-v4 at b=16 0.95 ms of
-its 25, profiled on the H200). The rest go when backward ends, after the compute stream
+its 25, profiled on the H200). Only a slot more than twice too small (VGG-16's fully
+connected layers come after a small group) is given back at once: memory first. The rest go when backward ends, after the compute stream
 waited for their last copies out. So about ``prefetch + 1`` groups' state (one more while a
 slot leaves) and one group's gradients are on the device at a time, and the copies run
 beside backward's kernels.
@@ -325,12 +326,17 @@ class StreamedOptimizer:
             small = [s for s in self._free if s in active]
             if not small:
                 return None
-            # Too small for this group: a larger one instead. The small one leaves the ring
-            # but is given back only once its copy-out has had time to finish (see _update):
-            # given back now, the compute stream would wait for that copy (Inception-v4 at
-            # b=16: three such waits a step, 0.95 ms of its 25).
-            self._free.remove(small[0])
-            self._leaving.append(small[0])
+            # Too small for this group: a larger one instead. For a group of about its size
+            # the small one leaves the ring but is given back only once its copy-out has had
+            # time to finish (see _update): given back now, the compute stream would wait
+            # for that copy (Inception-v4 at b=16: three such waits a step, 0.95 ms of its
+            # 25). For a far larger group (VGG-16's fully connected layers) memory comes
+            # first: it is given back now.
+            if need > 2 * small[0].device.numel():
+                self._retire(small[0])
+            else:
+                self._free.remove(small[0])
+                self._leaving.append(small[0])
         # as large as the coming groups of about this size (not a far larger one's)
         window = [n for n in self._needs[g:g + self.prefetch + 1] if n <= 2 * need]
         return self._new_slot(max(window))

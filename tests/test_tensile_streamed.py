@@ -440,3 +440,39 @@ def test_from_eight_groups_the_first_and_last_are_a_quarter_of_the_others(groups
             assert abs(end - tensile.streamed.END_SHARE * mean) <= 1 and end < mean / 2, sizes
         else:
             assert abs(end - mean) <= 1, sizes
+
+
+def test_a_slot_far_too_small_is_given_back_at_once_memory_first():
+    """A group more than twice the size of the free slot (VGG-16's fully connected layers
+    after a small group): that slot is given back at once, its memory before the wait; slots
+    only a little too small still leave lazily. Training stays exact."""
+    dims = [32, 4, 24, 32, 6, 32, 32]   # six layers, one group each, very unequal
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:])])
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, dims[0], generator=g), torch.randint(0, dims[-1], (4,), generator=g))
+            for _ in range(3)]
+    m0, o0 = make()
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=1)
+    assert [len(grp.params) for grp in streamed.groups] == [1] * 6
+    given_back = []   # (updates since its copy-out, a far larger group coming)
+    retire = streamed._retire
+
+    def spy(slot):
+        coming = streamed._needs[streamed._next_in] if streamed._next_in < len(streamed._needs) else 0
+        given_back.append((streamed._updates - slot.freed_at, coming > 2 * slot.device.numel()))
+        retire(slot)
+
+    streamed._retire = spy
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    assert any(far and n < 2 for n, far in given_back), given_back      # at once
+    assert all(far or n >= 2 for n, far in given_back), given_back      # else lazily
