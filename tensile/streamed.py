@@ -59,7 +59,9 @@ as usual after backward and then moves the state to the host.
 Measured (H200, b=16, against the captured vanilla step; ``results/h200/README.md``, twelfth
 session): the streaming alone costs ResNet-50 0.13 of its step (``prefetch=2, resident=4``;
 0.39 with one group ahead and none resident), Inception-v3 0.09, Inception-v4 0.05,
-DenseNet-121 0.04. Planned and captured with TENSILE: MSR 0.672 / 0.621 on ResNet-50 /
+DenseNet-121 0.04; since the ring stopped waiting for copies out and the end groups shrank
+(forty-fourth session) ResNet-50 0.09 and Inception-v4 0.02 (``resident=4``), 0.16 and 0.03
+with none resident. Planned and captured with TENSILE: MSR 0.672 / 0.621 on ResNet-50 /
 Inception-v3 at EOR 0.43 / 0.20, where the captured step without it stopped at 0.56 / 0.45.
 
 With a :class:`~tensile.Scheduler`, install it first: the step TENSILE records then has the
