@@ -246,20 +246,28 @@ def test_resident_groups_keep_their_state_on_the_device_and_train_exactly():
     assert starts[2] - starts[0] == resident_bytes
 
 
+def _linear_chain(dims: list[int], steps: int, seed: int, bias: bool = True, lr: float = 1e-2):
+    """``make()`` for a chain of linear layers of widths ``dims`` with its Adam, ``steps``
+    random batches, and a plain model trained on them (the reference)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(a, b, bias=bias) for a, b in zip(dims, dims[1:])])
+        return model, torch.optim.Adam(model.parameters(), lr=lr)
+
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(4, dims[0], generator=g), torch.randint(0, dims[-1], (4,), generator=g))
+            for _ in range(steps)]
+    m0, o0 = make()
+    for b in data:
+        training_step(m0, o0, b, LOSS)
+    return make, data, (m0, o0)
+
+
 def test_the_ring_reuses_prefetch_plus_one_slots_and_copies_each_group_once():
     """Six equal layers in six groups: during backward the state comes in through
     ``prefetch + 1`` device slots, each reused in turn, and each group's state comes in once
     and goes out once; training stays exact."""
-    def make():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(2)
-    data = [(torch.randn(4, 16, generator=g), torch.randint(0, 16, (4,), generator=g)) for _ in range(4)]
-    m0, o0 = make()
-    for b in data:
-        training_step(m0, o0, b, LOSS)
+    make, data, (m0, o0) = _linear_chain([16] * 7, steps=4, seed=2)
     for prefetch in (1, 2):
         model, opt = make()
         streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
@@ -374,40 +382,39 @@ def test_a_bad_update_chunk_is_refused(chunk):
         tensile.stream_optimizer(opt, update_chunk_mb=chunk)
 
 
-def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time():
+def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bool]]:
+    """A chain of bias-free linear layers of ``dims``, one group each, trained three steps
+    plain and streamed (bit for bit the same: asserted). Returns per slot given back during
+    backward: how many updates since its copy-out was issued, and whether the group coming
+    was more than twice its size."""
+    make, data, (m0, o0) = _linear_chain(dims, steps=3, seed=seed, bias=False)
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=len(dims) - 1, prefetch=prefetch)
+    assert [len(grp.params) for grp in streamed.groups] == [1] * (len(dims) - 1)
+    given_back = []
+    retire = streamed._retire
+
+    def spy(slot):
+        s = streamed
+        coming = s._needs[s._next_in] if s._next_in < len(s._needs) else 0
+        given_back.append((s._updates - slot.freed_at, coming > 2 * slot.device.numel()))
+        retire(slot)
+
+    streamed._retire = spy
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    return given_back
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time(prefetch):
     """Groups only about equal: a slot too small for the group that comes leaves the ring for
     a larger one, and is given back (the compute stream waiting for its copy-out) only
     ``prefetch + 1`` updates after that copy-out was issued, never at once (the code before
     gave it back with 0 updates between); training stays exact."""
-    dims = [13, 7, 12, 12, 10, 10, 12]   # six layers, one group each, about equal
-
-    def make():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:])])
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(4, dims[0], generator=g), torch.randint(0, dims[-1], (4,), generator=g))
-            for _ in range(3)]
-    m0, o0 = make()
-    for b in data:
-        training_step(m0, o0, b, LOSS)
-    for prefetch in (1, 2):
-        model, opt = make()
-        streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
-        assert [len(grp.params) for grp in streamed.groups] == [1] * 6
-        given_back = []   # per slot given back during backward: updates since its copy-out
-        retire = streamed._retire
-
-        def spy(slot):
-            given_back.append(streamed._updates - slot.freed_at)
-            retire(slot)
-
-        streamed._retire = spy
-        for b in data:
-            training_step(model, opt, b, LOSS)
-        assert_same_training(m0, o0, model, opt)
-        assert given_back and all(n >= prefetch + 1 for n in given_back), given_back
+    given_back = _give_backs([13, 7, 12, 12, 10, 10, 12], prefetch, seed=3)   # about equal
+    assert given_back and all(n >= prefetch + 1 for n, _ in given_back), given_back
 
 
 @pytest.mark.parametrize("groups", [4, 8, 16])
@@ -415,16 +422,7 @@ def test_from_eight_groups_the_first_and_last_are_a_quarter_of_the_others(groups
     """Backward's first update waits for the first group's copy in and the step's end for the
     last group's copy out: from eight groups on those two are a quarter of the others' bytes;
     below, all are equal. Training stays exact either way."""
-    def make():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(64)])
-        return model, torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(4, 16, generator=g), torch.randint(0, 16, (4,), generator=g)) for _ in range(3)]
-    m0, o0 = make()
-    for b in data:
-        training_step(m0, o0, b, LOSS)
+    make, data, (m0, o0) = _linear_chain([16] * 65, steps=3, seed=4, bias=False, lr=1e-3)
     model, opt = make()
     streamed = tensile.stream_optimizer(opt, groups=groups)
     for b in data:
@@ -446,33 +444,6 @@ def test_a_slot_far_too_small_is_given_back_at_once_memory_first():
     """A group more than twice the size of the free slot (VGG-16's fully connected layers
     after a small group): that slot is given back at once, its memory before the wait; slots
     only a little too small still leave lazily. Training stays exact."""
-    dims = [32, 4, 24, 32, 6, 32, 32]   # six layers, one group each, very unequal
-
-    def make():
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(a, b, bias=False) for a, b in zip(dims, dims[1:])])
-        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-    g = torch.Generator().manual_seed(5)
-    data = [(torch.randn(4, dims[0], generator=g), torch.randint(0, dims[-1], (4,), generator=g))
-            for _ in range(3)]
-    m0, o0 = make()
-    for b in data:
-        training_step(m0, o0, b, LOSS)
-    model, opt = make()
-    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=1)
-    assert [len(grp.params) for grp in streamed.groups] == [1] * 6
-    given_back = []   # (updates since its copy-out, a far larger group coming)
-    retire = streamed._retire
-
-    def spy(slot):
-        coming = streamed._needs[streamed._next_in] if streamed._next_in < len(streamed._needs) else 0
-        given_back.append((streamed._updates - slot.freed_at, coming > 2 * slot.device.numel()))
-        retire(slot)
-
-    streamed._retire = spy
-    for b in data:
-        training_step(model, opt, b, LOSS)
-    assert_same_training(m0, o0, model, opt)
+    given_back = _give_backs([32, 4, 24, 32, 6, 32, 32], prefetch=1, seed=5)   # very unequal
     assert any(far and n < 2 for n, far in given_back), given_back      # at once
     assert all(far or n >= 2 for n, far in given_back), given_back      # else lazily
