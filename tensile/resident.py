@@ -21,8 +21,10 @@ group, its update for its copy-in, the step's end for the last copy-out. It retu
 later the step ends. :func:`choose_resident` takes the fewest resident groups whose delay is
 within ``max_overhead`` of the step. The replay leaves out what the copies cost beside the
 kernels (on the H200 at b=16 it predicted 0.2-0.3 ms where the captured step took 1-2 ms
-longer), so :func:`tune_resident` then times the captured step with that choice and, if it
-is over, bisects towards all resident, timing each candidate.
+longer; 0.95 ms of that on Inception-v4 was the ring waiting for the copy out of a slot too
+small for the next group, which the ring no longer does), so :func:`tune_resident` then times
+the captured step with that choice and, if it is over, bisects towards all resident, timing
+each candidate.
 
 ``jobs``: that many jobs stream at the same time over one link and share it evenly, so each
 copy takes ``jobs`` times as long. Their kernels are taken not to slow each other (as under
