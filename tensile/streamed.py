@@ -12,28 +12,28 @@ in the step's critical path (about 2 x 2P / 55 GB/s: 7 ms on ResNet-50's 11 ms s
 
 How: the parameters are cut into ``groups`` groups of about equal state bytes, in the reverse
 of their order (the order backward makes their gradients); from eight groups on the first and
-the last are a quarter of that (:data:`END_SHARE`), whose copies nothing hides. When backward has accumulated
-every gradient of a group (``register_post_accumulate_grad_hook``), the optimizer's own
-``step`` runs on that group alone and its gradients are dropped. The group's state (every
-state tensor shaped like its parameter: Adam's two moments) lives in one pinned host region
-between steps. During backward up to ``prefetch + 1`` device slots form a ring: a
-host→device stream copies the next groups' regions into free slots, the compute stream
-waits for a group's copy before its update, and a device→host stream copies the updated
-state back. A slot is free again once its copy-out is issued: the next copy-in into it waits,
-on the host→device stream, for that copy-out's event alone. So the compute stream does not
-wait for copies out and the copy streams never wait for backward's kernels, only for the
-update whose state they carry (no ``record_stream``, which a CUDA graph capture would defer
-to the capture's end). A slot is as large as the groups of about its size that come next. One
-too small for the group that comes (groups are only about equal) leaves the ring for a larger
-one, and one far larger than every group still to come (VGG-16's first fully connected layer)
-is dropped too; either is given back ``prefetch + 1`` updates after its copy-out was issued,
-the compute stream waiting for that copy then, long done by then (given back at once, the
-compute stream waited for it: three such waits a step cost Inception-v4 at b=16 0.95 ms of
-its 25, profiled on the H200). Only a slot more than twice too small (VGG-16's fully
-connected layers come after a small group) is given back at once: memory first. The rest go when backward ends, after the compute stream
-waited for their last copies out. So about ``prefetch + 1`` groups' state (one more while a
-slot leaves) and one group's gradients are on the device at a time, and the copies run
-beside backward's kernels.
+the last are a quarter of that (:data:`END_SHARE`), whose copies nothing hides. When backward
+has accumulated every gradient of a group (``register_post_accumulate_grad_hook``), the
+optimizer's own ``step`` runs on that group alone and its gradients are dropped. The group's
+state (every state tensor shaped like its parameter: Adam's two moments) lives in one pinned
+host region between steps. During backward up to ``prefetch + 1`` device slots form a ring: a
+host→device stream copies the next groups' regions into free slots, the compute stream waits
+for a group's copy before its update, and a device→host stream copies the updated state back. A
+slot is free again once its copy-out is issued: the next copy-in into it waits, on the
+host→device stream, for that copy-out's event alone. So the compute stream does not wait for
+copies out and the copy streams never wait for backward's kernels, only for the update whose
+state they carry (no ``record_stream``, which a CUDA graph capture would defer to the capture's
+end). A slot is as large as the groups of about its size that come next. One too small for the
+group that comes (groups are only about equal) leaves the ring for a larger one, and one far
+larger than every group still to come (VGG-16's first fully connected layer) is dropped too;
+either is given back ``prefetch + 1`` updates after its copy-out was issued, the compute stream
+waiting for that copy then, long done by then (given back at once, the compute stream waited
+for it: three such waits a step cost Inception-v4 at b=16 0.95 ms of its 25, profiled on the
+H200). Only a slot more than twice too small (VGG-16's fully connected layers come after a
+small group) is given back at once: memory first. The rest go when backward ends, after the
+compute stream waited for their last copies out. So about ``prefetch + 1`` groups' state (one
+more while a slot leaves) and one group's gradients are on the device at a time, and the copies
+run beside backward's kernels.
 
 A PyTorch optimizer's update makes temporaries as large as the parameters it updates (Adam's
 ``sqrt(v)``: one for every parameter of the group), and on VGG-16 those of its first fully
@@ -414,9 +414,8 @@ class StreamedOptimizer:
         self._updates += 1
         slot.freed_at = self._updates
         self._free.append(slot)
-        for s in [s for s in self._free + self._leaving
-                  if (s in self._leaving or self._oversized(s))
-                  and self._updates - s.freed_at >= self.prefetch + 1]:
+        unwanted = self._leaving + [s for s in self._free if self._oversized(s)]
+        for s in [s for s in unwanted if self._updates - s.freed_at >= self.prefetch + 1]:
             self._retire(s)   # its copy-out had prefetch + 1 updates' time to finish
         self._fill()
 
@@ -550,7 +549,8 @@ def _split(params: list, groups: int) -> list[_Group]:
     shares = [1.0] * groups
     if groups >= END_GROUPS:
         shares[0] = shares[-1] = END_SHARE
-    bounds = list(itertools.accumulate(s * total / sum(shares) for s in shares))
+    unit = total / sum(shares)
+    bounds = list(itertools.accumulate(s * unit for s in shares))
     out, run, acc = [], [], 0.0
     for p in params:
         run.append(p)
