@@ -362,6 +362,56 @@ def test_swaps_around_rebuilds_and_a_swaps_price_on_inception_v4_at_checkpointin
                                                 + 0.001 * len(few.swaps))
 
 
+RESNET50_STREAMED = ("snapshot_tensile_resnet50_b16_tensile_graph_match_msr_0.671_copy_latency_ms_0.1_"
+                     "bn_from_stats_stream_optimizer_16_stream_prefetch_2_stream_resident_4_"
+                     "20261202T190042.json.gz")
+
+
+def test_a_swap_across_a_rebuilds_peak_reaches_budgets_recomputation_alone_cannot():
+    # ResNet-50 at b=16 with Adam's state streamed (an H200 job, 43e7864): recomputation
+    # alone bottoms out at 539.8 MiB, the peak of one rebuild that brings back five tensors
+    # of the first stage (171 MiB) for a 49 MiB one; the greedy runs that swap first get
+    # stuck higher (the forward is 3.4 ms, too short to copy much out before its peak).
+    snap = PlanningSnapshot.load(SNAPSHOTS / RESNET50_STREAMED)
+    tl = snap.timeline
+    args = (tl, int(516.7 * MB), snap.d2h_bw, snap.h2d_bw, True, False, snap.copy_latency_ms,
+            snap.min_bytes, 0.0, CAPTURED_SWAP_COST_MS)
+    runs = [_greedy(*args, allow_swaps=s, transient=t) for s in (True, False) for t in (True, False)]
+    assert min(r.peak_after for r in runs) > 539 * MB
+    # With one first-stage tensor swapped for its whole gap, the rest recomputed, the
+    # budget (the one the H200 run missed) is met.
+    p = snap.replan(budget_bytes=int(516.7 * MB))
+    assert p.feasible and 1 <= len(p.swaps) <= tensile.planner.SWAP_SEARCH_ROUNDS
+    check_plan(tl, p)
+    # every swap keeps off the channel time of the streamed optimizer's own copies
+    own = tensile.planner.PlanState(tl, snap.d2h_bw, snap.h2d_bw, snap.copy_latency_ms)
+    for s in p.swaps:
+        for lo, hi, busy in ((s.out_start_ms, s.out_end_ms, own.d2h.busy),
+                             (s.in_start_ms, s.in_end_ms, own.h2d.busy)):
+            assert all(hi <= a + EPS or lo >= b - EPS for a, b in busy)
+    # Below what it reaches, the plan still says so, and peaks lower than before.
+    low = snap.replan(budget_bytes=int(480 * MB))
+    assert not low.feasible and low.peak_after < 500 * MB and low.swaps
+    check_plan(tl, low)
+    # A budget recomputation alone meets is planned as before: no search, no swap.
+    assert not snap.replan(budget_bytes=int(540 * MB)).swaps
+
+
+def test_a_whole_gap_swap_goes_out_after_the_last_write_and_back_just_in_time():
+    tl = _simple()
+    st = tensile.planner.PlanState(tl, 1e10, 1e10, 0.0)
+    assert st.swap_whole_gap(11)
+    (s,) = st.swaps
+    assert s.out_start_ms == pytest.approx(tl.end[1])   # right after relu writes it
+    assert s.in_end_ms <= tl.start[5] + EPS and s.use_op == 5
+    assert st.mem[3] == tl.vanilla_curve()[3] - 4 * MB   # gone across the loss, the peak
+    assert not st.swap_whole_gap(12)   # fc's output: read by loss right away, no gap
+    # the channel busy from the forward on: no slot to copy out
+    busy = tensile.planner.PlanState(tl, 1e10, 1e10, 0.0)
+    busy.d2h.add(0.0, tl.iteration_ms)
+    assert not busy.swap_whole_gap(11) and not busy.swaps
+
+
 @settings(max_examples=60, deadline=None)
 @given(tl=timelines(), bw=bandwidths)
 def test_budget_met_when_vanilla_fits(tl, bw):
