@@ -30,8 +30,10 @@ either is given back ``prefetch + 1`` updates after its copy-out was issued, the
 waiting for that copy then, long done by then (given back at once, the compute stream waited
 for it: three such waits a step cost Inception-v4 at b=16 0.95 ms of its 25, profiled on the
 H200). Only a slot more than twice too small (VGG-16's fully connected layers come after a
-small group) is given back at once: memory first. The rest go when backward ends, after the
-compute stream waited for their last copies out. So about ``prefetch + 1`` groups' state (one
+small group) is given back at once: memory first. Once no group is left to bring in (fewer
+than ``prefetch + 1`` updates remain), every free slot is given back one update after its
+copy-out, not kept over backward's last layers. The last go when backward ends, after the
+compute stream waited for their copies out. So about ``prefetch + 1`` groups' state (one
 more while a slot leaves) and one group's gradients are on the device at a time, and the copies
 run beside backward's kernels.
 
@@ -414,10 +416,22 @@ class StreamedOptimizer:
         self._updates += 1
         slot.freed_at = self._updates
         self._free.append(slot)
-        unwanted = self._leaving + [s for s in self._free if self._oversized(s)]
-        for s in [s for s in unwanted if self._updates - s.freed_at >= self.prefetch + 1]:
-            self._retire(s)   # its copy-out had prefetch + 1 updates' time to finish
+        # A slot out of the ring goes once its copy-out had prefetch + 1 updates' time to
+        # finish; at backward's tail, where no group is left to bring in, every free slot
+        # is out and goes one update after its copy-out: fewer updates than prefetch + 1
+        # remain, and it would otherwise stay to backward's end, over the step's last
+        # layers, which hold its peak (ResNet-50 at b=16: 41 MiB of slots held there).
+        tail = not self._to_bring_in()
+        unwanted = self._leaving + [s for s in self._free if tail or self._oversized(s)]
+        wait = 1 if tail else self.prefetch + 1
+        for s in [s for s in unwanted if self._updates - s.freed_at >= wait]:
+            self._retire(s)
         self._fill()
+
+    def _to_bring_in(self) -> bool:
+        """Whether a group still has to come into a slot this step."""
+        return any(grp.host is not None and g not in self._done and grp.slot is None
+                   for g, grp in enumerate(self.groups[self._next_in:], self._next_in))
 
     def _pieces(self, params: list) -> list[list]:
         """``params`` in runs of at most ``update_chunk`` bytes (one run without a bound); a

@@ -382,11 +382,11 @@ def test_a_bad_update_chunk_is_refused(chunk):
         tensile.stream_optimizer(opt, update_chunk_mb=chunk)
 
 
-def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bool]]:
+def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bool, bool]]:
     """A chain of bias-free linear layers of ``dims``, one group each, trained three steps
     plain and streamed (bit for bit the same: asserted). Returns per slot given back during
-    backward: how many updates since its copy-out was issued, and whether the group coming
-    was more than twice its size."""
+    backward: how many updates since its copy-out was issued, whether the group coming
+    was more than twice its size, and whether no group was left to bring in (the tail)."""
     make, data, (m0, o0) = _linear_chain(dims, steps=3, seed=seed, bias=False)
     model, opt = make()
     streamed = tensile.stream_optimizer(opt, groups=len(dims) - 1, prefetch=prefetch)
@@ -397,7 +397,8 @@ def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bo
     def spy(slot):
         s = streamed
         coming = s._needs[s._next_in] if s._next_in < len(s._needs) else 0
-        given_back.append((s._updates - slot.freed_at, coming > 2 * slot.device.numel()))
+        given_back.append((s._updates - slot.freed_at, coming > 2 * slot.device.numel(),
+                           not s._to_bring_in()))
         retire(slot)
 
     streamed._retire = spy
@@ -414,7 +415,33 @@ def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time(prefetc
     ``prefetch + 1`` updates after that copy-out was issued, never at once (the code before
     gave it back with 0 updates between); training stays exact."""
     given_back = _give_backs([13, 7, 12, 12, 10, 10, 12], prefetch, seed=3)   # about equal
-    assert given_back and all(n >= prefetch + 1 for n, _ in given_back), given_back
+    # never at once; at backward's tail (nothing left to bring in) one update after the
+    # copy-out, before it prefetch + 1 (six groups: with prefetch 2 all go at the tail)
+    assert given_back and all(n >= 1 for n, _, _ in given_back), given_back
+    before_tail = [n for n, _, tail in given_back if not tail]
+    assert all(n >= prefetch + 1 for n in before_tail) and (before_tail or prefetch > 1), given_back
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_at_backwards_tail_free_slots_are_given_back_not_kept_to_its_end(prefetch):
+    """Once every group is in a slot, fewer than ``prefetch + 1`` updates remain: each slot
+    freed then goes one update after its copy-out, so when backward ends only the last
+    group's slot is left (the code before kept all ``prefetch + 1`` over backward's last
+    layers). Training stays exact."""
+    make, data, (m0, o0) = _linear_chain([16] * 7, steps=3, seed=2)
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
+    at_end, finish = [], streamed._finish
+
+    def spy():
+        at_end.append(len(streamed._slots))
+        finish()
+
+    streamed._finish = spy
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    assert at_end == [1] * (len(data) - 1), at_end   # the first step has no state yet
 
 
 @pytest.mark.parametrize("groups", [4, 8, 16])
@@ -445,5 +472,5 @@ def test_a_slot_far_too_small_is_given_back_at_once_memory_first():
     after a small group): that slot is given back at once, its memory before the wait; slots
     only a little too small still leave lazily. Training stays exact."""
     given_back = _give_backs([32, 4, 24, 32, 6, 32, 32], prefetch=1, seed=5)   # very unequal
-    assert any(far and n < 2 for n, far in given_back), given_back      # at once
-    assert all(far or n >= 2 for n, far in given_back), given_back      # else lazily
+    assert any(far and n < 2 for n, far, _ in given_back), given_back      # at once
+    assert all(far or tail or n >= 2 for n, far, tail in given_back), given_back  # else lazily
