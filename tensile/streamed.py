@@ -92,6 +92,9 @@ DEFAULT_PREFETCH = 2
 # a step with groups of equal size, profiled).
 END_SHARE = 0.25
 END_GROUPS = 8
+# At backward's tail (no group left to bring in), a free slot is given back this many updates
+# after its copy-out was issued; None: kept to backward's end.
+TAIL_WAIT: int | None = 1
 
 
 @dataclass
@@ -421,9 +424,9 @@ class StreamedOptimizer:
         # is out and goes one update after its copy-out: fewer updates than prefetch + 1
         # remain, and it would otherwise stay to backward's end, over the step's last
         # layers, which hold its peak (ResNet-50 at b=16: 41 MiB of slots held there).
-        tail = not self._to_bring_in()
+        tail = TAIL_WAIT is not None and not self._to_bring_in()
         unwanted = self._leaving + [s for s in self._free if tail or self._oversized(s)]
-        wait = 1 if tail else self.prefetch + 1
+        wait = TAIL_WAIT if tail else self.prefetch + 1
         for s in [s for s in unwanted if self._updates - s.freed_at >= wait]:
             self._retire(s)
         self._fill()
