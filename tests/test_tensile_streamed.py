@@ -444,6 +444,21 @@ def test_at_backwards_tail_free_slots_are_given_back_not_kept_to_its_end(prefetc
     assert at_end == [1] * (len(data) - 1), at_end   # the first step has no state yet
 
 
+def test_tail_wait_none_keeps_the_free_slots_to_backwards_end(monkeypatch):
+    """``TAIL_WAIT = None`` turns the tail give-back off: all ``prefetch + 1`` slots are still
+    there when backward ends, and training is the same."""
+    monkeypatch.setattr(tensile.streamed, "TAIL_WAIT", None)
+    make, data, (m0, o0) = _linear_chain([16] * 7, steps=3, seed=2)
+    model, opt = make()
+    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=2)
+    at_end, finish = [], streamed._finish
+    streamed._finish = lambda: (at_end.append(len(streamed._slots)), finish())
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    assert at_end == [3] * (len(data) - 1), at_end
+
+
 @pytest.mark.parametrize("groups", [4, 8, 16])
 def test_from_eight_groups_the_first_and_last_are_a_quarter_of_the_others(groups):
     """Backward's first update waits for the first group's copy in and the step's end for the
