@@ -46,7 +46,7 @@ from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
-from tensile.planner import CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS
+from tensile.planner import CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS, SWAP_SEARCH
 from tensile.step import training_step
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.scale import valid_record_batches
@@ -120,6 +120,10 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"experiment.swap_cost_ms must be a time in ms >= 0, or null for each "
                           f"method's own (tensile_graph: {CAPTURED_SWAP_COST_MS:g}, tensile: 0), "
                           f"got {sc!r}")
+    ss = exp.get("swap_search", "unmet")
+    if ss not in SWAP_SEARCH:
+        raise ConfigError(f"experiment.swap_search must be one of {', '.join(SWAP_SEARCH)} (when "
+                          f"the planner searches for swaps across its peak), got {ss!r}")
     ra = exp.get("rebuild_ahead", 0)
     if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
         raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
@@ -311,6 +315,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"rebuild_ahead={exp.rebuild_ahead:g}")
         if exp.get("swap_cost_ms") is not None:
             knobs.append(f"swap_cost_ms={exp.swap_cost_ms:g}")
+        if exp.get("swap_search", "unmet") != "unmet":
+            knobs.append(f"swap_search={exp.swap_search}")
         if name == "tensile_graph" and exp.get("time_captured_copies", False):
             knobs.append("time_copies")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
@@ -769,6 +775,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["rebuild_ahead"] = float(exp.rebuild_ahead)
             if exp.get("swap_cost_ms") is not None:
                 opts["swap_cost_ms"] = float(exp.swap_cost_ms)
+            if exp.get("swap_search", "unmet") != "unmet":
+                opts["swap_search"] = str(exp.swap_search)
         if name == "tensile_graph" and exp.get("time_captured_copies", False):
             opts["time_copies"] = True
         return opts

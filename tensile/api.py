@@ -49,7 +49,7 @@ from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, m
 from .graph import GraphStep
 from .optimes import batch_norm_rerun_shares, step_op_times_ms
 from .plan import Plan
-from .planner import COPY_LATENCY_MS, check_swap_cost
+from .planner import COPY_LATENCY_MS, check_swap_cost, check_swap_search
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
@@ -254,6 +254,10 @@ class Scheduler:
     the plan (:func:`tensile.planner.plan`; with ``scheduler_socket`` it goes to the
     scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
+    ``swap_search`` (local planning): ``"always"`` also searches for swaps across the plan's
+    peak where the budget is met, for a cheaper plan (seconds to a minute of planning more);
+    ``"unmet"`` (default) only where no plan meets it; ``"never"``
+    (:func:`tensile.planner.plan`).
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
     samples of the example batch, not on all of it, and scale the recording to the
     example's batch size (:mod:`tensile.scale`): for a job that does not fit the GPU
@@ -293,6 +297,7 @@ class Scheduler:
                  simulate: bool | None = None,
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
                  allow_swaps: bool = True, rebuild_ahead: float = 0.0, swap_cost_ms: float = 0.0,
+                 swap_search: str = "unmet",
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
@@ -316,7 +321,7 @@ class Scheduler:
             # options of local planning with TENSILE's own planner: (value, default); a
             # scheduler process takes swap_cost_ms as the job's option
             local = {"max_overhead": (max_overhead, 0.0), "allow_swaps": (allow_swaps, True),
-                     "rebuild_ahead": (rebuild_ahead, 0.0)}
+                     "rebuild_ahead": (rebuild_ahead, 0.0), "swap_search": (swap_search, "unmet")}
             if planner is not None:
                 local["swap_cost_ms"] = (swap_cost_ms, 0.0)
             for name, (value, default) in local.items():
@@ -324,6 +329,7 @@ class Scheduler:
                     raise ValueError(f"{name}={value!r} is an option of TENSILE's own planner "
                                      "here; it does not apply with planner= or scheduler_socket")
         check_swap_cost(swap_cost_ms)
+        check_swap_search(swap_search)
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
                              "give scheduler_socket too")
@@ -339,7 +345,7 @@ class Scheduler:
         self.planner = planner or functools.partial(
             make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
             max_overhead=max_overhead, allow_swaps=allow_swaps, rebuild_ahead=rebuild_ahead,
-            swap_cost_ms=swap_cost_ms)
+            swap_cost_ms=swap_cost_ms, swap_search=swap_search)
 
         self._example = _signature(example_batch)
         if record_batches is None:

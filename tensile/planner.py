@@ -71,6 +71,7 @@ def plan(
     allow_swaps: bool = True,
     rebuild_ahead: float = 0.0,
     swap_cost_ms: float = 0.0,
+    swap_search: str = "unmet",
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
 
@@ -88,8 +89,14 @@ def plan(
     step's joins: :data:`CAPTURED_SWAP_COST_MS`); it counts in the plan's estimated extra
     time, so the plan kept is the cheapest with it. 0 (default): swaps are free once hidden,
     as TENSILE prices them.
+    ``swap_search``: when to search for swaps across the plan's peak after the greedy runs
+    (:func:`_swap_across_peaks`): ``"unmet"`` (default) where the budget is out of every
+    run's reach and recomputation alone came closest; ``"always"`` also where a plan meets
+    it, for a cheaper one (each try is a whole greedy run: seconds on ResNet-50, about half
+    a minute on Inception-v4, on a laptop); ``"never"``.
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
+    check_swap_search(swap_search)
     check_swap_cost(swap_cost_ms)
     check_max_overhead(max_overhead)
     check_rebuild_ahead(rebuild_ahead)
@@ -120,14 +127,18 @@ def plan(
             runs += [run(allow_swaps=True, transient=t, no_swap=keep) for t in (True, False)]
     # The best: feasible, then the lower peak, then less extra time (swaps priced in).
     best = min(runs, key=lambda r: _rank(r, budget_bytes))
-    if allow_swaps and allow_recompute and not best.feasible and not best.swaps and best.recomputes:
-        # The budget is out of reach and recomputation alone got closest, but its own peak
-        # may be a rebuild's: a tensor rebuilt in backward with the chain of inputs it
+    unmet = not best.feasible and not best.swaps
+    if allow_swaps and allow_recompute and best.recomputes and (
+            swap_search == "always" or (swap_search == "unmet" and unmet)):
+        # Where the budget is out of reach and recomputation alone got closest, its own
+        # peak may be a rebuild's: a tensor rebuilt in backward with the chain of inputs it
         # needs (ResNet-50's first stage, 171 MB rebuilt at once for one 49 MB tensor).
         # Swapping a tensor across that peak, out in forward and back just in time, and
         # planning the rest by recomputation can reach lower than either alone (ResNet-50
-        # at b=16 on the H200: 540 -> 492 MB, a snapshot of the forty-third session). Only
-        # then: each try is a whole greedy run (about a second on Inception-v4).
+        # at b=16 on the H200: 540 -> 492 MB, a snapshot of the forty-third session). Where
+        # the budget is met, the same search may find a cheaper plan (ResNet-50 at
+        # checkpointing's peak: 0.576 -> 0.477 ms priced), but each try is a whole greedy
+        # run (about a second on Inception-v4): only with swap_search="always".
         best = _swap_across_peaks(run, timeline, best, budget_bytes, min_bytes)
     if rebuild_ahead:
         schedule_ahead(timeline, best, rebuild_ahead)
@@ -876,6 +887,15 @@ def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
     sources = list(dict.fromkeys(r for k in chain for r in tl.reads[k]
                                  if r != sid and r not in scratch))
     return prod, then, scratch, sources
+
+
+SWAP_SEARCH = ("unmet", "always", "never")
+
+
+def check_swap_search(swap_search) -> None:
+    if swap_search not in SWAP_SEARCH:
+        raise ValueError(f"swap_search: expected one of {', '.join(map(repr, SWAP_SEARCH))}; "
+                         f"got {swap_search!r}")
 
 
 def check_swap_cost(swap_cost_ms) -> None:

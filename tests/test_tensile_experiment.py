@@ -143,6 +143,17 @@ def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch)
     assert flags == [True]   # (what it does: tests/test_tensile_runtime.py)
 
 
+def test_swap_search_reaches_the_planner_and_names_the_method(small, tmp_path):
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
+                        "experiment.swap_search=always", "experiment.snapshot=true"))
+    row = _rows(tmp_path)["tensile(swap_search=always)"]
+    assert row["status"] == "ok", row["reason"]
+    from tensile import PlanningSnapshot
+    snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
+    assert snap.options["swap_search"] == "always"
+    assert snap.replan().same_actions(snap.plan)   # planned again with the same option
+
+
 def test_swap_cost_reaches_the_planner_and_names_the_method(small, tmp_path):
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
                         "experiment.swap_cost_ms=0.5", "experiment.snapshot=true"))
@@ -303,6 +314,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.swap_cost_ms=-0.1"], r"swap_cost_ms must be a time in ms >= 0, or null"),
+    (["experiment.swap_search=sometimes"], r"swap_search must be one of unmet, always, never .*, got 'sometimes'"),
     (["experiment.time_captured_copies=2"], "experiment.time_captured_copies must be true or false, got 2"),
     (["experiment.rebuild_ahead=-2"], r"rebuild_ahead must be a number of rerun times >= 0 \(0: "
                                       r"rebuild on demand\), got -2"),

@@ -230,6 +230,11 @@ def test_budget_or_planner_with_a_socket_is_refused(sock_path):
     with pytest.raises(ValueError, match="swap_cost_ms=0.02 is an option of TENSILE's own planner"):
         tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_cost_ms=0.02,
                           planner=tensile.vdnn_plan, **RATES)
+    with pytest.raises(ValueError, match="swap_search='always' is an option of TENSILE's own planner"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_search="always",
+                          scheduler_socket=sock_path, **RATES)
+    with pytest.raises(ValueError, match="swap_search: expected one of"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_search="yes", **RATES)
 
 
 def test_local_mode_reports_no_scheduler_and_close_is_harmless():

@@ -395,6 +395,22 @@ def test_a_swap_across_a_rebuilds_peak_reaches_budgets_recomputation_alone_canno
     check_plan(tl, low)
     # A budget recomputation alone meets is planned as before: no search, no swap.
     assert not snap.replan(budget_bytes=int(540 * MB)).swaps
+    # swap_search="never": the greedy runs alone, the budget missed as before
+    assert snap.replan(budget_bytes=int(516.7 * MB), swap_search="never").peak_after > 539 * MB
+
+
+def test_swap_search_always_finds_a_cheaper_plan_where_the_budget_is_met():
+    # ResNet-50 at b=16 planned to checkpoint_graph's peak (an H200 job, twenty-sixth
+    # session's snapshot): the greedy runs meet the budget; searching anyway finds a plan
+    # priced about 0.1 ms less, within the same budget.
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_resnet50_b16_tensile_graph_match_peak_"
+                                 "checkpoint_graph_copy_latency_ms_0.1_bn_from_stats_20261202T094414.json.gz")
+    met = snap.replan()
+    cheaper = snap.replan(swap_search="always")
+    assert met.feasible and cheaper.feasible
+    assert cheaper.est_overhead_ms < met.est_overhead_ms - 0.05
+    check_plan(snap.timeline, cheaper)
+    assert snap.replan(swap_search="never").same_actions(met)   # met: no search by default
 
 
 def test_a_whole_gap_swap_goes_out_after_the_last_write_and_back_just_in_time():
@@ -672,6 +688,7 @@ def test_simulate_rejects_plan_of_other_timeline():
     (dict(min_bytes=0), "min_bytes"),
     (dict(swap_cost_ms=-0.01), "swap_cost_ms"),
     (dict(swap_cost_ms=True), "swap_cost_ms"),
+    (dict(swap_search="sometimes"), r"swap_search: expected one of 'unmet', 'always', 'never'; got 'sometimes'"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     args = dict(d2h_bw=1e9, h2d_bw=1e9) | kwargs
