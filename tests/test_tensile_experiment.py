@@ -143,24 +143,25 @@ def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch)
     assert flags == [True]   # (what it does: tests/test_tensile_runtime.py)
 
 
-def test_swap_search_reaches_the_planner_and_names_the_method(small, tmp_path):
-    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
-                        "experiment.swap_search=always", "experiment.snapshot=true"))
-    row = _rows(tmp_path)["tensile(swap_search=always)"]
-    assert row["status"] == "ok", row["reason"]
+def _tensile_snapshot(tmp_path, option: str, backend: str):
+    """Run vanilla and tensile at a budget with ``option`` set; the planning snapshot of the
+    row named ``backend`` (asserted ok)."""
     from tensile import PlanningSnapshot
-    snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
+                        option, "experiment.snapshot=true"))
+    row = _rows(tmp_path)[backend]
+    assert row["status"] == "ok", row["reason"]
+    return PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
+
+
+def test_swap_search_reaches_the_planner_and_names_the_method(small, tmp_path):
+    snap = _tensile_snapshot(tmp_path, "experiment.swap_search=always", "tensile(swap_search=always)")
     assert snap.options["swap_search"] == "always"
     assert snap.replan().same_actions(snap.plan)   # planned again with the same option
 
 
 def test_swap_cost_reaches_the_planner_and_names_the_method(small, tmp_path):
-    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
-                        "experiment.swap_cost_ms=0.5", "experiment.snapshot=true"))
-    row = _rows(tmp_path)["tensile(swap_cost_ms=0.5)"]
-    assert row["status"] == "ok", row["reason"]
-    from tensile import PlanningSnapshot
-    snap = PlanningSnapshot.load(tmp_path / "cpu" / row["extra"]["snapshot_file"])
+    snap = _tensile_snapshot(tmp_path, "experiment.swap_cost_ms=0.5", "tensile(swap_cost_ms=0.5)")
     assert snap.options["swap_cost_ms"] == 0.5
     p = snap.plan
     assert p.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in p.recomputes) + 0.5 * len(p.swaps))
