@@ -305,8 +305,7 @@ class StreamedOptimizer:
         """Bring the next groups, in backward's order, into slots while there are some."""
         while self._next_in < len(self.groups):
             g = self._next_in
-            grp = self.groups[g]
-            if grp.host is None or g in self._done or grp.slot is not None:
+            if not self._wants_slot(g):
                 self._next_in += 1
                 continue
             slot = self._slot_for(g)
@@ -431,10 +430,14 @@ class StreamedOptimizer:
             self._retire(s)
         self._fill()
 
+    def _wants_slot(self, g: int) -> bool:
+        """Whether group ``g`` is streamed and not yet in a slot or updated this step."""
+        grp = self.groups[g]
+        return grp.host is not None and g not in self._done and grp.slot is None
+
     def _to_bring_in(self) -> bool:
         """Whether a group still has to come into a slot this step."""
-        return any(grp.host is not None and g not in self._done and grp.slot is None
-                   for g, grp in enumerate(self.groups[self._next_in:], self._next_in))
+        return any(self._wants_slot(g) for g in range(self._next_in, len(self.groups)))
 
     def _pieces(self, params: list) -> list[list]:
         """``params`` in runs of at most ``update_chunk`` bytes (one run without a bound); a

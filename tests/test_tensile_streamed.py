@@ -382,29 +382,36 @@ def test_a_bad_update_chunk_is_refused(chunk):
         tensile.stream_optimizer(opt, update_chunk_mb=chunk)
 
 
-def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bool, bool]]:
-    """A chain of bias-free linear layers of ``dims``, one group each, trained three steps
-    plain and streamed (bit for bit the same: asserted). Returns per slot given back during
-    backward: how many updates since its copy-out was issued, whether the group coming
-    was more than twice its size, and whether no group was left to bring in (the tail)."""
-    make, data, (m0, o0) = _linear_chain(dims, steps=3, seed=seed, bias=False)
+def _train_streamed(dims: list[int], prefetch: int, seed: int, spy, bias: bool = True):
+    """A chain of linear layers of ``dims``, one group each, trained three steps plain and
+    streamed (bit for bit the same: asserted), ``spy(streamed)`` called before the steps."""
+    make, data, (m0, o0) = _linear_chain(dims, steps=3, seed=seed, bias=bias)
     model, opt = make()
     streamed = tensile.stream_optimizer(opt, groups=len(dims) - 1, prefetch=prefetch)
-    assert [len(grp.params) for grp in streamed.groups] == [1] * (len(dims) - 1)
-    given_back = []
-    retire = streamed._retire
-
-    def spy(slot):
-        s = streamed
-        coming = s._needs[s._next_in] if s._next_in < len(s._needs) else 0
-        given_back.append((s._updates - slot.freed_at, coming > 2 * slot.device.numel(),
-                           not s._to_bring_in()))
-        retire(slot)
-
-    streamed._retire = spy
+    spy(streamed)
     for b in data:
         training_step(model, opt, b, LOSS)
     assert_same_training(m0, o0, model, opt)
+
+
+def _give_backs(dims: list[int], prefetch: int, seed: int) -> list[tuple[int, bool, bool]]:
+    """:func:`_train_streamed` without biases (one parameter a group). Returns per slot given
+    back during backward: how many updates since its copy-out was issued, whether the group
+    coming was more than twice its size, and whether no group was left to bring in (the tail)."""
+    given_back = []
+
+    def spy(s):
+        assert [len(grp.params) for grp in s.groups] == [1] * (len(dims) - 1)
+        retire = s._retire
+
+        def retiring(slot):
+            coming = s._needs[s._next_in] if s._next_in < len(s._needs) else 0
+            given_back.append((s._updates - slot.freed_at, coming > 2 * slot.device.numel(),
+                               not s._to_bring_in()))
+            retire(slot)
+        s._retire = retiring
+
+    _train_streamed(dims, prefetch, seed, spy, bias=False)
     return given_back
 
 
@@ -422,41 +429,37 @@ def test_a_too_small_slot_is_given_back_only_after_its_copy_out_had_time(prefetc
     assert all(n >= prefetch + 1 for n in before_tail) and (before_tail or prefetch > 1), given_back
 
 
+def _slots_at_backwards_end(prefetch: int) -> list[int]:
+    """:func:`_train_streamed` on six equal layers; per step with state, the slots left when
+    backward ends."""
+    at_end = []
+
+    def spy(s):
+        finish = s._finish
+
+        def finishing():
+            at_end.append(len(s._slots))
+            finish()
+        s._finish = finishing
+
+    _train_streamed([16] * 7, prefetch, seed=2, spy=spy)
+    return at_end
+
+
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_at_backwards_tail_free_slots_are_given_back_not_kept_to_its_end(prefetch):
     """Once every group is in a slot, fewer than ``prefetch + 1`` updates remain: each slot
     freed then goes one update after its copy-out, so when backward ends only the last
     group's slot is left (the code before kept all ``prefetch + 1`` over backward's last
     layers). Training stays exact."""
-    make, data, (m0, o0) = _linear_chain([16] * 7, steps=3, seed=2)
-    model, opt = make()
-    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=prefetch)
-    at_end, finish = [], streamed._finish
-
-    def spy():
-        at_end.append(len(streamed._slots))
-        finish()
-
-    streamed._finish = spy
-    for b in data:
-        training_step(model, opt, b, LOSS)
-    assert_same_training(m0, o0, model, opt)
-    assert at_end == [1] * (len(data) - 1), at_end   # the first step has no state yet
+    assert _slots_at_backwards_end(prefetch) == [1, 1]   # the first step has no state yet
 
 
 def test_tail_wait_none_keeps_the_free_slots_to_backwards_end(monkeypatch):
     """``TAIL_WAIT = None`` turns the tail give-back off: all ``prefetch + 1`` slots are still
     there when backward ends, and training is the same."""
     monkeypatch.setattr(tensile.streamed, "TAIL_WAIT", None)
-    make, data, (m0, o0) = _linear_chain([16] * 7, steps=3, seed=2)
-    model, opt = make()
-    streamed = tensile.stream_optimizer(opt, groups=6, prefetch=2)
-    at_end, finish = [], streamed._finish
-    streamed._finish = lambda: (at_end.append(len(streamed._slots)), finish())
-    for b in data:
-        training_step(model, opt, b, LOSS)
-    assert_same_training(m0, o0, model, opt)
-    assert at_end == [3] * (len(data) - 1), at_end
+    assert _slots_at_backwards_end(prefetch=2) == [3, 3]
 
 
 @pytest.mark.parametrize("groups", [4, 8, 16])
