@@ -47,7 +47,7 @@ from .client import SchedulerError, TensileClient
 from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, measure_peak_rates,
                        scaled_op_times)
 from .graph import GraphStep
-from .optimes import batch_norm_rerun_shares, step_op_times_ms
+from .optimes import batch_norm_rerun_shares, step_op_profile
 from .plan import Plan
 from .planner import COPY_LATENCY_MS, check_swap_cost, check_swap_search
 from .planner import plan as make_plan
@@ -129,6 +129,9 @@ class SchedulerReport:
     bn_rerun_share_median: float | None = None
     # what the plan recomputes, by the producing op's name (``cudnn_batch_norm``: 27, ...)
     recomputes_by_op: dict = field(default_factory=dict)
+    # the largest workspace an op holds while it runs, counted in the plan's peaks
+    # (Scheduler.scratch, measured by capture(); 0 before)
+    scratch_max_bytes: int = 0
 
     def plan_figures(self) -> dict:
         """The current plan as the result rows give it (MiB, ms): planned swaps and
@@ -143,6 +146,7 @@ class SchedulerReport:
                 "budget_mb": None if self.budget_bytes is None else self.budget_bytes / mib,
                 "bn_rerun_share_median": self.bn_rerun_share_median,
                 "recomputes_by_op": dict(self.recomputes_by_op),
+                "scratch_max_mb": self.scratch_max_bytes / mib,
                 **{f"recomputes_{k}": v for k, v in self.chained_recomputes.items()}}
 
     def plan_check(self) -> dict:
@@ -367,6 +371,9 @@ class Scheduler:
         # planner prices those recomputes with it (measured here, on tensors of their shapes)
         self.rerun_share = (batch_norm_rerun_shares(self.recording.graph, self.device)
                             if batch_norm_from_stats else {})
+        # the bytes each op holds only while it runs (workspaces): measured with the captured
+        # step's op times (capture()); until then unknown, so none
+        self.scratch: dict[int, int] = {}
         # the roofline estimates: the cold start's op times (and capture's fallback)
         self.estimated_op_ms = estimate_op_times(self.recording.graph, peak_flops, peak_bytes_per_s)
         self.times = OpTimeModel(self.estimated_op_ms)
@@ -407,7 +414,7 @@ class Scheduler:
     @property
     def timeline(self) -> AccessTimeline:
         """The access timeline with the current op-time estimates."""
-        return self.recording.timeline(self.times.op_ms, self.rerun_share)
+        return self.recording.timeline(self.times.op_ms, self.rerun_share, self.scratch)
 
     def bound(self) -> dict:
         """How little extra time any plan of this step's moves could cost under the budget
@@ -563,9 +570,10 @@ class Scheduler:
         """Re-plan with the op times of the step as a CUDA graph runs it.
 
         Each op's time comes from one graph of the vanilla step with an event after every
-        op (:func:`tensile.optimes.step_op_times_ms`): no host gaps. They are scaled to add
+        op (:func:`tensile.optimes.step_op_profile`): no host gaps. They are scaled to add
         up to the plain graph's replay time (the events slow the instrumented graph down),
-        the quietest of several rounds (:meth:`tensile.GraphStep.replay_ms`).
+        the quietest of several rounds (:meth:`tensile.GraphStep.replay_ms`). The same
+        capture measures each op's workspace (:attr:`scratch`), which the plan counts.
         Should that step's op count differ from the recording's, the roofline estimates
         scaled the same way stand in. The timing steps train: model, optimizer state and
         the CUDA RNG are put back afterwards. With a scheduler process, the op times go to
@@ -577,14 +585,17 @@ class Scheduler:
         self.captured_vanilla_ms = vanilla.replay_ms(_TIMING_REPLAYS, _TIMING_ROUNDS, _TIMING_GAP_S)
         del vanilla                    # its private pool goes back before the real capture
         with step_state_kept(self.model, self.optimizer):
-            op_ms = step_op_times_ms(self.model, self.optimizer, batch, self.loss_fn)
+            profile = step_op_profile(self.model, self.optimizer, batch, self.loss_fn)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        op_ms = profile.op_ms
         if len(op_ms) != len(self.estimated_op_ms):
             log.warning("the captured step ran %d ops, the recording has %d: planning with the "
-                        "roofline estimates scaled to its replay time", len(op_ms),
-                        len(self.estimated_op_ms))
+                        "roofline estimates scaled to its replay time, and without workspaces",
+                        len(op_ms), len(self.estimated_op_ms))
             op_ms = self.estimated_op_ms
+        else:
+            self.scratch = profile.scratch
         # The events between the ops cost the instrumented graph some of its overlap (of a
         # streamed optimizer's copies with compute above all): its op times add up to more
         # than the plain replay (1.03-1.10x unstreamed, 1.17-1.47x streamed). The plan is for
@@ -595,7 +606,7 @@ class Scheduler:
         if self.client is not None:
             before = self.client.version
             self._ask(functools.partial(self.client.report, self.captured_vanilla_ms,
-                                        self.times.op_ms, retimed=True))
+                                        self.times.op_ms, retimed=True, scratch=self.scratch))
             self._take(self.client.wait_for_plan(before, _RETIME_WAIT_S))
             self._last_contact = time.monotonic()
             if self.client.version <= before:
@@ -664,6 +675,7 @@ class Scheduler:
             bn_rerun_share_median=self._bn_rerun_share_median(),
             recomputes_by_op=dict(collections.Counter(
                 base_name(self.recording.graph.nodes[r.producer_op].name) for r in self.plan.recomputes)),
+            scratch_max_bytes=max(self.scratch.values(), default=0),
             **self._server_fields())
 
     # ------------------------------------------------------------------ internals

@@ -33,7 +33,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .plan import Plan
 from .protocol import (MAX_MESSAGE_BYTES, ProtocolError, default_socket_path, recv_message,
@@ -137,18 +137,23 @@ class TensileClient:
 
     def report(self, iter_ms: float, op_times: Sequence[float] | None = None, *,
                op_start_ms: Sequence[float] | None = None,
-               iter_start_s: float | None = None, retimed: bool = False) -> Plan | None:
+               iter_start_s: float | None = None, retimed: bool = False,
+               scratch: Mapping[int, int] | None = None) -> Plan | None:
         """Report one finished iteration; returns the plan to run from the next step on.
 
         ``iter_ms``: its wall-clock time; ``op_times``: measured per-op ms, when this step
         was timed op by op; ``op_start_ms``: measured op starts relative to the iteration
         start; ``iter_start_s``: the iteration's start on ``time.monotonic()``;
         ``retimed``: the step now runs another way (captured) and ``op_times`` are its new
-        op times: the scheduler re-plans at once (see :meth:`wait_for_plan`). The result
-        is the same object as before unless the plan changed (``None``: vanilla).
+        op times: the scheduler re-plans at once (see :meth:`wait_for_plan`); ``scratch``,
+        with ``retimed`` only: ``{op: bytes}`` the ops hold only while they run that way
+        (:attr:`tensile.timeline.AccessTimeline.scratch`). The result is the same object as
+        before unless the plan changed (``None``: vanilla).
         """
         if retimed and op_times is None:
             raise ValueError("retimed=True needs op_times: the step's new op times")
+        if scratch is not None and not retimed:
+            raise ValueError("scratch goes with retimed=True: the workspaces of the step's new mode")
         if not (isinstance(iter_ms, numbers.Real) and math.isfinite(iter_ms) and iter_ms > 0):
             raise ValueError(f"iter_ms must be a positive finite number of ms, got {iter_ms!r}")
         n = len(self._payload["op_times_ms"]) if self._payload is not None else None
@@ -162,6 +167,8 @@ class TensileClient:
             msg["op_start_ms"] = [float(x) for x in op_start_ms]
         if iter_start_s is not None:
             msg["iter_start_s"] = float(iter_start_s)
+        if scratch is not None:
+            msg["op_scratch"] = [[int(op), int(nbytes)] for op, nbytes in scratch.items()]
         self._remember(msg)
         if retimed:
             msg["retimed"] = True
@@ -328,6 +335,9 @@ class TensileClient:
                 self._payload.pop(key, None)
         if "op_times_ms" in measured:
             self._payload["op_times_ms"] = [max(x, 1e-6) for x in measured["op_times_ms"]]
+        if "op_scratch" in measured:   # re-registering brings the timeline's workspaces
+            self._payload["timeline"] = {**self._payload["timeline"],
+                                         "scratch": measured["op_scratch"]}
 
     def _lost(self, err: Exception) -> None:
         log.warning("lost the TENSILE scheduler (%s); running without a plan", err)

@@ -1,5 +1,6 @@
-"""Single-stream GPU time of every op of one training step, in the recorder's op order;
-and what rebuilding a batch norm from its statistics costs beside the op.
+"""Single-stream GPU time of every op of one training step, in the recorder's op order, and
+the memory each op holds only while it runs; and what rebuilding a batch norm from its
+statistics costs beside the op.
 
 The step is captured into one CUDA graph with a timing event after every op that
 :func:`tensile.record.record_step` counts (same filter, same order), and replayed: the
@@ -7,6 +8,11 @@ graph runs the ops back to back, so no host launch gap is counted. Eager timings
 host-bound step are mostly such gaps, which is why a plan for a captured step
 (:meth:`tensile.Scheduler.capture`) and the limit of a training step
 (:mod:`experiments.limit`) use these times instead.
+
+While that graph is captured, the allocator's peak around each op says what the op held
+beyond its inputs and outputs: a workspace (cuDNN's for a convolution's backward, 16-32 MiB
+on ResNet-50 at b=8-16 on the H200, at the step's peak). A plan that does not count it
+peaks that much above its budget (:attr:`tensile.timeline.AccessTimeline.scratch`).
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import itertools
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -31,7 +38,7 @@ from .runtime import _BN_TRAINING, _batch_norm_apply
 from .step import training_step
 from .timeline import base_name
 
-__all__ = ["batch_norm_rerun_shares", "step_op_times_ms"]
+__all__ = ["OpProfile", "batch_norm_rerun_shares", "step_op_profile", "step_op_times_ms"]
 
 
 class _EventAfterEachOp(TorchDispatchMode):
@@ -51,13 +58,19 @@ class _EventAfterEachOp(TorchDispatchMode):
         super().__init__()
         self.stream = stream
         self.events: list[torch.cuda.Event] = []
+        self.scratch: list[int] = []   # per counted op: bytes held only while it ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = self.stream.device
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         out = func(*args, **(kwargs or {}))
         if is_counted(func):
             event = torch.cuda.Event(enable_timing=True, external=True)
             event.record(self.stream)
             self.events.append(event)
+            held = max(before, torch.cuda.memory_allocated(device))
+            self.scratch.append(max(torch.cuda.max_memory_allocated(device) - held, 0))
         return out
 
 
@@ -76,14 +89,34 @@ class _CpuTimeOfEachOp(TorchDispatchMode):
         return out
 
 
+@dataclass(frozen=True)
+class OpProfile:
+    """Per counted op of one training step, in op order: ``op_ms``, its single-stream time;
+    ``scratch``, ``{op: bytes}`` it held only while it ran, beyond its inputs and outputs
+    (ops without are left out; empty on the CPU, whose allocator keeps no statistics)."""
+
+    op_ms: list[float]
+    scratch: dict[int, int]
+
+
 def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
                      loss_fn: Callable, repeats: int = 5) -> list[float]:
-    """Single-stream GPU time (ms) of every counted op of one training step, in op order.
+    """Single-stream GPU time (ms) of every counted op of one training step, in op order
+    (:func:`step_op_profile`'s ``op_ms``)."""
+    return step_op_profile(model, optimizer, batch, loss_fn, repeats).op_ms
+
+
+def step_op_profile(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Sequence,
+                    loss_fn: Callable, repeats: int = 5) -> OpProfile:
+    """Single-stream GPU time (ms) of every counted op of one training step, in op order, and
+    the bytes each held only while it ran (module notes).
 
     The optimizer must be capturable (SGD; Adam with ``capturable=True``): the step is
     captured into a CUDA graph, after a warm-up step on a side stream (as
-    ``torch.cuda.graph`` requires). A model on the CPU gets each op's wall time instead
-    (median over ``repeats`` steps).
+    ``torch.cuda.graph`` requires). The capture resets the device's peak memory statistics
+    (``torch.cuda.reset_peak_memory_stats``) around every op: a peak read across this call
+    is lost. A model on the CPU gets each op's wall time instead (median over ``repeats``
+    steps) and no scratch.
     """
     if next(model.parameters()).device.type == "cpu":
         runs = []
@@ -91,7 +124,7 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
             with _CpuTimeOfEachOp() as mode:
                 training_step(model, optimizer, batch, loss_fn)
             runs.append(mode.ms)
-        return [statistics.median(column) for column in zip(*runs)]
+        return OpProfile([statistics.median(column) for column in zip(*runs)], {})
     side = warmup_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -113,7 +146,8 @@ def step_op_times_ms(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
         samples.append([a.elapsed_time(b) for a, b in zip(ends, ends[1:])])
     gap = _event_gap_ms(side)   # a graph cannot be captured on the default stream
     del graph
-    return [max(statistics.median(column) - gap, 0.0) for column in zip(*samples)]
+    return OpProfile([max(statistics.median(column) - gap, 0.0) for column in zip(*samples)],
+                     {k: b for k, b in enumerate(marks.scratch) if b})
 
 
 def batch_norm_rerun_shares(graph: TaskGraph, device: torch.device | str,

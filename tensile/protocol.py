@@ -19,8 +19,10 @@ Job → scheduler (``seq`` is optional; the reply carries it back as ``reply_to`
   (measured per-op times), ``op_start_ms`` (per-op start relative to the iteration
   start), ``iter_start_s`` (that iteration's start on ``time.monotonic()``),
   ``retimed`` (true: the job now runs its step another way, e.g. captured in a CUDA
-  graph, and ``op_times_ms`` are its new op times: re-plan now, no drift test). Reply:
-  ``ack`` at once; a re-plan it causes arrives later as a ``plan``.
+  graph, and ``op_times_ms`` are its new op times: re-plan now, no drift test), with it
+  ``op_scratch`` (``[[op, bytes], ...]``: what ops hold only while they run in that mode,
+  their workspaces; it replaces the timeline's ``scratch``). Reply: ``ack`` at once; a
+  re-plan it causes arrives later as a ``plan``.
 * ``heartbeat``: reply ``ack``. Any message counts as a sign of life.
 * ``leave``: reply ``bye``, then the scheduler closes the connection.
 
@@ -198,6 +200,17 @@ def starts_list(name: str, x: Any) -> list[float]:
     return times_list(name, x, allow_zero=True)
 
 
+def scratch_list(name: str, x: Any) -> list[list[int]]:
+    """``[[op, bytes], ...]``; the op range is checked against the job's timeline."""
+    if not isinstance(x, list):
+        _fail(name, "a list of [op, bytes]", x)
+    for k, e in enumerate(x):
+        if not (isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_int(e[1])
+                and e[0] >= 0 and e[1] >= 0):
+            _fail(f"{name}[{k}]", "[op index, bytes] (ints >= 0)", e)
+    return [[int(op), int(nbytes)] for op, nbytes in x]
+
+
 def bandwidths(name: str, x: Any) -> tuple[float, float]:
     if not isinstance(x, dict) or set(x) != {"d2h", "h2d"}:
         _fail(name, 'an object {"d2h": bytes/s, "h2d": bytes/s}', x)
@@ -255,7 +268,7 @@ JOB_MESSAGES: dict[str, dict[str, tuple[Check, bool]]] = {
     "measured": {"seq": (seq_id, False), "iter_ms": (positive, True),
                  "op_times_ms": (lambda n, v: times_list(n, v, allow_zero=True), False),
                  "op_start_ms": (starts_list, False), "iter_start_s": (number, False),
-                 "retimed": (flag, False)},
+                 "retimed": (flag, False), "op_scratch": (scratch_list, False)},
     "heartbeat": {"seq": (seq_id, False)},
     "leave": {"seq": (seq_id, False)},
 }
@@ -312,6 +325,7 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
                     for t in tl.tensors.values()],
         "transfers": [[op, direction, nbytes] for op, direction, nbytes in tl.transfers],
         "rerun_share": [[op, share] for op, share in tl.rerun_share.items()],
+        "scratch": [[op, nbytes] for op, nbytes in tl.scratch.items()],
     }
 
 
@@ -321,9 +335,11 @@ _TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
     """Rebuild a timeline sent by :func:`timeline_to_wire`; :class:`ProtocolError` if malformed."""
     keys = {"names", "phases", "random", "reads", "writes", "tensors"}
-    if not isinstance(data, dict) or not keys <= set(data) <= keys | {"transfers", "rerun_share"}:
+    optional = {"transfers", "rerun_share", "scratch"}
+    if not isinstance(data, dict) or not keys <= set(data) <= keys | optional:
         _fail("timeline", "an object with names, phases, random, reads, writes, tensors "
-              "(and optionally transfers, rerun_share)", sorted(data) if isinstance(data, dict) else data)
+              "(and optionally transfers, rerun_share, scratch)",
+              sorted(data) if isinstance(data, dict) else data)
     n = len(op_ms)
     for key in ("names", "phases", "random", "reads", "writes"):
         if not isinstance(data[key], list) or len(data[key]) != n:
@@ -368,6 +384,10 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
     if not (isinstance(shares, list)
             and all(isinstance(e, list) and len(e) == 2 and _is_int(e[0]) for e in shares)):
         _fail("timeline.rerun_share", "a list of [op, share of its time]", shares)
+    scratch = data.get("scratch", [])
+    if not (isinstance(scratch, list)
+            and all(isinstance(e, list) and len(e) == 2 and _is_int(e[0]) for e in scratch)):
+        _fail("timeline.scratch", "a list of [op, bytes it holds while it runs]", scratch)
     touched = {s for key in ("reads", "writes") for ops in data[key] for s in ops}
     if touched != set(sizes):
         raise ProtocolError(
@@ -382,7 +402,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             random_ops=[k for k in range(n) if data["random"][k]],
             held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
             transfers=data.get("transfers", []),   # entries checked by the timeline
-            rerun_share={op: share for op, share in shares})
+            rerun_share={op: share for op, share in shares},
+            scratch={op: nbytes for op, nbytes in scratch})   # bytes checked by the timeline
     except ValueError as e:
         raise ProtocolError(f"timeline: {e}") from None
     return tl

@@ -160,17 +160,19 @@ class Recording:
     # the step's own host<->device copies: (op, "h2d" | "d2h", bytes) (a streamed optimizer)
     transfers: list[tuple[int, str, int]] = field(default_factory=list)
 
-    def timeline(self, op_ms: Sequence[float],
-                 rerun_share: Mapping[int, float] | None = None) -> AccessTimeline:
+    def timeline(self, op_ms: Sequence[float], rerun_share: Mapping[int, float] | None = None,
+                 scratch: Mapping[int, int] | None = None) -> AccessTimeline:
         """The access timeline of this step with the given op durations (and shares of them
-        that recomputes' reruns cost, :attr:`AccessTimeline.rerun_share`)."""
+        that recomputes' reruns cost, :attr:`AccessTimeline.rerun_share`; the bytes ops hold
+        only while they run, :attr:`AccessTimeline.scratch`)."""
         swappable = {sid: (sid in self.saved) for sid, r in self.roles.items() if r == "activation"}
         swappable.update({sid: sid in self.needed_by for sid, r in self.roles.items()
                           if r in ("param", "opt_state")})
         return AccessTimeline.from_graph(self.graph, op_ms, roles=self.roles,
                                          swappable=swappable, needed_by=self.needed_by,
                                          random_ops=self.random_ops, held_to_end=self.held_to_end,
-                                         transfers=self.transfers, rerun_share=rerun_share)
+                                         transfers=self.transfers, rerun_share=rerun_share,
+                                         scratch=scratch)
 
 
 class _Recorder(TorchDispatchMode):

@@ -290,9 +290,20 @@ class SchedulerServer:
         retimed = msg.get("retimed", False)
         if retimed and times is None:
             raise ProtocolError("measured.retimed needs op_times_ms: the new op times")
+        new_timeline = None
+        if "op_scratch" in msg:
+            if not retimed:
+                raise ProtocolError("measured.op_scratch goes with retimed: the workspaces of "
+                                    "the step's new mode")
+            try:
+                new_timeline = job.timeline.with_scratch(dict(msg["op_scratch"]))
+            except ValueError as e:
+                raise ProtocolError(f"measured.op_scratch: {e}") from None
         starts = self._starts(job, msg.get("op_start_ms"), msg["iter_ms"])  # checked first
         if retimed:   # not blended: the op times of the step's old mode are void
             job.op_ms = [max(m, 1e-6) for m in times]
+            if new_timeline is not None:
+                job.timeline = new_timeline
         elif times is not None:
             w = EWMA_NEW_WEIGHT  # as tensile.estimate.OpTimeModel: 0.9 new + 0.1 old
             job.op_ms = [max(w * m + (1 - w) * e, 1e-6) for m, e in zip(times, job.op_ms)]

@@ -13,7 +13,8 @@ per op, conservatively:
   rebuilt ahead, up to and including ``issue_op``); the inputs rebuilt only for it
   (``transient``) count once more during ``before_op``;
 * source kept for a recompute (``kept``): resident past its last read, up to and
-  including the latest ``before_op`` of the recomputes that keep it.
+  including the latest ``before_op`` of the recomputes that keep it;
+* an op's ``scratch`` (a workspace it holds only while it runs) counts during that op.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
             extra = sum(timeline.tensors[s].nbytes for s in r.transient)
             diff[r.before_op] += extra
             diff[r.before_op + 1] -= extra
-    curve = np.cumsum(diff[:-1])
+    curve = np.cumsum(diff[:-1]) + timeline.scratch_curve()
     k = int(np.argmax(curve)) if n else 0
     return SimResult(curve=curve, peak=int(curve[k]) if n else 0, peak_op=k)
 

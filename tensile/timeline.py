@@ -108,6 +108,12 @@ class AccessTimeline:
     # join that pass (share 0) (``tensile.Scheduler(..., batch_norm_from_stats=True)``). A
     # share, not ms, so that it holds when op times are measured again or stretched.
     rerun_share: Mapping[int, float] = field(default_factory=dict)
+    # bytes op k holds only while it runs, beyond its inputs and outputs: a library's
+    # workspace (cuDNN's for a convolution's backward: 16-32 MiB on ResNet-50 at b=8-16 on
+    # the H200), measured on the captured step (:func:`tensile.optimes.step_op_profile`).
+    # Counted in every memory curve at op k, so a plan's peak is the one the allocator sees.
+    # A recompute's rerun of the op is not charged it.
+    scratch: Mapping[int, int] = field(default_factory=dict)
     start: np.ndarray = field(init=False, repr=False)
     end: np.ndarray = field(init=False, repr=False)
 
@@ -115,6 +121,7 @@ class AccessTimeline:
         self.op_ms = np.asarray(self.op_ms, dtype=np.float64)
         self.transfers = _checked_transfers(self.transfers, len(self.names))
         self.rerun_share = _checked_rerun_share(self.rerun_share, len(self.names))
+        self.scratch = _checked_scratch(self.scratch, len(self.names))
         self.end = np.cumsum(self.op_ms)
         self.start = self.end - self.op_ms
 
@@ -135,13 +142,21 @@ class AccessTimeline:
         return t.first, self.num_ops - 1 if t.held_to_end else t.last
 
     def vanilla_curve(self) -> np.ndarray:
-        """Resident bytes during each op, without any plan (int64 array of length n)."""
+        """Resident bytes during each op, without any plan (int64 array of length n), each
+        op's ``scratch`` included."""
         diff = np.zeros(self.num_ops + 1, dtype=np.int64)
         for sid, t in self.tensors.items():
             lo, hi = self.vanilla_range(sid)
             diff[lo] += t.nbytes
             diff[hi + 1] -= t.nbytes
-        return np.cumsum(diff[:-1])
+        return np.cumsum(diff[:-1]) + self.scratch_curve()
+
+    def scratch_curve(self) -> np.ndarray:
+        """``scratch`` as an int64 array of length n (0 where an op has none)."""
+        out = np.zeros(self.num_ops, dtype=np.int64)
+        for k, nbytes in self.scratch.items():
+            out[k] = nbytes
+        return out
 
     def backward_gap(self, sid: int) -> tuple[int, int] | None:
         """``(i, j)``: the last forward/loss access and the first backward access.
@@ -183,11 +198,18 @@ class AccessTimeline:
         return int(np.searchsorted(self.start, t_ms - 1e-9, side="left"))
 
     def with_op_times(self, op_ms: Sequence[float]) -> "AccessTimeline":
-        """The same accesses with new op durations (after a measurement); ``rerun_share`` is kept."""
+        """The same accesses with new op durations (after a measurement); ``rerun_share``
+        and ``scratch`` are kept."""
         _check_op_ms(op_ms, self.num_ops)
         return AccessTimeline(self.names, self.phases, np.asarray(op_ms, dtype=np.float64),
                               self.random, self.reads, self.writes, self.tensors, self.transfers,
-                              self.rerun_share)
+                              self.rerun_share, self.scratch)
+
+    def with_scratch(self, scratch: Mapping[int, int]) -> "AccessTimeline":
+        """The same timeline with ``scratch`` (op -> bytes it holds only while it runs)
+        in place of its own."""
+        return AccessTimeline(self.names, self.phases, self.op_ms, self.random, self.reads,
+                              self.writes, self.tensors, self.transfers, self.rerun_share, scratch)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -203,6 +225,7 @@ class AccessTimeline:
         held_to_end: Iterable[int] | None = None,
         transfers: Iterable[tuple[int, str, int]] = (),
         rerun_share: Mapping[int, float] | None = None,
+        scratch: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -218,6 +241,7 @@ class AccessTimeline:
         memory the step never gives back). ``transfers`` lists the step's own host↔device
         copies as ``(op, "h2d" | "d2h", bytes)``. ``rerun_share`` maps an op to the share of
         its time that rerunning it for a recompute costs, where that is not all of it.
+        ``scratch`` maps an op to the bytes it holds only while it runs (a workspace).
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -268,7 +292,7 @@ class AccessTimeline:
                                       writes=wr.get(sid, []))
         tl = cls(names, phases, np.asarray(op_ms, dtype=np.float64),
                  [k in rnd for k in range(n)], reads, writes, tensors, tuple(transfers),
-                 {} if rerun_share is None else rerun_share)
+                 {} if rerun_share is None else rerun_share, {} if scratch is None else scratch)
 
         nb = dict(needed_by or {})
         for sid, t in tensors.items():
@@ -301,6 +325,7 @@ class AccessTimeline:
         held_to_end: Iterable[int] | None = None,
         transfers: Iterable[tuple[int, str, int]] = (),
         rerun_share: Mapping[int, float] | None = None,
+        scratch: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -312,7 +337,8 @@ class AccessTimeline:
         activation with a forward→backward gap counts as movable: right for analysis;
         the runtime uses :meth:`tensile.record.Recording.timeline`, which knows which
         tensors autograd really saved.
-        ``op_times_ms`` gives one duration per node (see :mod:`tensile.estimate`).
+        ``op_times_ms`` gives one duration per node (see :mod:`tensile.estimate`);
+        ``scratch``: the bytes an op holds only while it runs (:meth:`from_ops`).
         """
         nodes = graph.nodes
         if len(op_times_ms) != len(nodes):
@@ -332,7 +358,7 @@ class AccessTimeline:
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
                             random_ops=random_ops, held_to_end=held_to_end, transfers=transfers,
-                            rerun_share=rerun_share)
+                            rerun_share=rerun_share, scratch=scratch)
 
 
 def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], ...]:
@@ -363,6 +389,23 @@ def _checked_rerun_share(rerun_share, num_ops: int) -> dict[int, float]:
             raise ValueError(f"rerun_share: expected op index in [0, {num_ops}) -> a finite "
                              f"share of its time >= 0, got {k!r}: {share!r}")
         out[int(k)] = float(share)
+    return out
+
+
+def _checked_scratch(scratch, num_ops: int) -> dict[int, int]:
+    """``scratch`` as ``{op: bytes}`` without zeros; ValueError names a bad entry."""
+    if not isinstance(scratch, Mapping):
+        raise ValueError(f"scratch: expected a mapping of op index to bytes, got {scratch!r}")
+    out = {}
+    for k, nbytes in scratch.items():
+        ok_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
+        ok_bytes = isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool) \
+            and nbytes >= 0
+        if not (ok_k and ok_bytes):
+            raise ValueError(f"scratch: expected op index in [0, {num_ops}) -> a whole number of "
+                             f"bytes >= 0, got {k!r}: {nbytes!r}")
+        if nbytes:
+            out[int(k)] = int(nbytes)
     return out
 
 

@@ -79,3 +79,15 @@ def test_cached_limit_is_computed_once_per_key_and_a_failure_is_a_note():
     assert all(p.grad is None for p in model.parameters())                  # a copy trained
     bad = cached_step_limit(("bad", 4), model, make, (batch[0],), F.cross_entropy, 1.0)
     assert "ValueError" in bad["limit_error"]
+
+
+def test_a_cpu_profile_has_one_time_per_recorded_op_and_no_workspaces():
+    """``step_op_profile`` on the CPU: the op times of :func:`step_op_times_ms`, one per op the
+    recorder counts, and no workspaces (the CPU allocator keeps no statistics)."""
+    from tensile.optimes import step_op_profile
+    from tensile.record import record_step
+    model, opt, batch = _job()
+    step_op_times_ms(model, opt, batch, F.cross_entropy, repeats=1)  # creates momentum buffers
+    profile = step_op_profile(model, opt, batch, F.cross_entropy, repeats=1)
+    rec = record_step(model, opt, batch, F.cross_entropy)
+    assert len(profile.op_ms) == len(rec.graph.nodes) and profile.scratch == {}

@@ -297,6 +297,39 @@ def test_a_chunked_update_trains_exactly_captured_and_takes_its_temporaries_off_
     assert peaks[None] - peaks[8] >= layer - 2 * 8 * 2**20
 
 
+WORKSPACE = 8 << 20
+
+
+@torch.library.custom_op("tensile_test::with_workspace", mutates_args=())
+def _with_workspace(x: torch.Tensor) -> torch.Tensor:
+    """``2 x``, holding WORKSPACE bytes while it runs (as cuDNN's workspace in a convolution)."""
+    workspace = torch.empty(WORKSPACE, dtype=torch.uint8, device=x.device)
+    workspace.fill_(1)
+    return x * 2
+
+
+class _Workspace(nn.Module):
+    def forward(self, x):
+        return x + torch.ops.tensile_test.with_workspace(x.detach())
+
+
+def cnn_with_workspace(width: int) -> nn.Module:
+    return nn.Sequential(make_cnn(width=width), _Workspace()).cuda()
+
+
+def test_a_captured_plan_counts_the_workspace_an_op_holds_while_it_runs():
+    """The capture that times each op (``step_op_profile``) also reads what the op held beyond
+    its inputs and outputs; the scheduler's timeline and plan count it at that op."""
+    data = batches(4)
+    _, _, sched, _ = _captured_tensile(data, 32, factory=cnn_with_workspace)
+    (k,) = [n.index for n in sched.recording.graph.nodes if "with_workspace" in n.name]
+    assert sched.scratch[k] == WORKSPACE
+    assert sched.timeline.scratch == sched.scratch
+    assert sched.report().scratch_max_bytes >= WORKSPACE
+    plain = sched.timeline.with_scratch({})
+    assert sched.plan.peak_before >= int(plain.vanilla_curve()[k]) + WORKSPACE
+
+
 @pytest.mark.parametrize("prefetch", [
     1,
     pytest.param(2, marks=pytest.mark.xfail(

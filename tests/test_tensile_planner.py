@@ -85,7 +85,9 @@ def timelines(draw):
     ops = [(f"op{k}", phases[k], draw(st.floats(0.05, 5.0)), sorted(reads[k]), sorted(writes[k]))
            for k in range(n)]
     random_ops = {k for k in fwd if draw(st.integers(0, 6)) == 0}
-    return AccessTimeline.from_ops(ops, sizes, roles, needed_by=needed, random_ops=random_ops)
+    scratch = {k: draw(size) for k in range(n) if draw(st.integers(0, 5)) == 0}  # workspaces
+    return AccessTimeline.from_ops(ops, sizes, roles, needed_by=needed, random_ops=random_ops,
+                                   scratch=scratch)
 
 
 bandwidths = st.floats(1e7, 1e11)
@@ -466,6 +468,23 @@ def _simple(opt_tail_ms: float = 0.1) -> AccessTimeline:
              14: 4 * MB, 15: 4 * MB, 16: 16 * MB, 17: MB, 20: MB, 21: MB}
     roles = {1: "input", 2: "param", 3: "param", 4: "opt_state"}
     return AccessTimeline.from_ops(ops, sizes, roles, needed_by={2: 0, 3: 1})
+
+
+def test_an_ops_workspace_is_planned_for_where_it_makes_the_peak():
+    """A workspace (``scratch``) on the step's peak op: the budget the step meets without
+    it needs a plan with it, and the plan's peak counts it."""
+    plain = _simple()                              # peaks at 32 MiB during the loss op
+    tl = plain.with_scratch({3: 2 * MB, 6: MB})    # 34 MiB there; relu's 4 MiB output can go
+    budget = int(plain.vanilla_curve().max())
+    assert int(tl.vanilla_curve().max()) == budget + 2 * MB
+    kw = dict(d2h_bw=1e10, h2d_bw=1e10, allow_cross_iteration=False)
+    met = plan(plain, budget_bytes=budget, **kw)
+    assert met.feasible and not met.swaps and not met.recomputes
+    p = plan(tl, budget_bytes=budget, **kw)
+    check_plan(tl, p)
+    assert p.feasible and (p.swaps or p.recomputes)
+    assert [s.sid for s in p.swaps] == [11] and not p.recomputes
+    assert p.peak_after == simulate(tl, p).curve[3] <= budget and p.peak_before == budget + 2 * MB
 
 
 def test_swap_out_early_and_in_late():

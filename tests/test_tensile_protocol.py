@@ -152,6 +152,8 @@ def test_frames_round_trip_and_refuse_bad_json():
     ({"type": "measured", "iter_ms": -1}, "measured.iter_ms: expected a positive"),
     ({"type": "measured", "iter_ms": 5, "op_times_ms": [1, "x"]}, r"op_times_ms\[1\]"),
     ({"type": "measured", "iter_ms": 5, "retimed": "yes"}, "measured.retimed: expected true or false"),
+    ({"type": "measured", "iter_ms": 5, "op_scratch": [[0, -1]]}, r"measured.op_scratch\[0\]: expected"),
+    ({"type": "measured", "iter_ms": 5, "op_scratch": {"0": 1}}, "measured.op_scratch: expected a list"),
     ({**register_msg(), "weight": "heavy"}, "register.weight"),
     ({**register_msg(), "job_id": "a b/c"}, "register.job_id"),
     ({**register_msg(), "bandwidths": {"d2h": 1e9}}, "register.bandwidths"),
@@ -194,6 +196,12 @@ def test_timeline_round_trip():
     assert back.rerun_share == {1: 0.7, 2: 0.0}
     del wire["rerun_share"]
     assert timeline_from_wire(wire, list(tl.op_ms)).rerun_share == {}
+    # and the workspaces ops hold while they run (measured on a captured step)
+    back = timeline_from_wire(json.loads(json.dumps(timeline_to_wire(tl.with_scratch({4: 3 * MB})))),
+                              list(tl.op_ms))
+    assert back.scratch == {4: 3 * MB}
+    del wire["scratch"]
+    assert timeline_from_wire(wire, list(tl.op_ms)).scratch == {}
 
 
 @pytest.mark.parametrize("change, match", [
@@ -215,6 +223,9 @@ def test_timeline_round_trip():
     (lambda w: w.__setitem__("rerun_share", [[[1], 0.5]]), r"timeline.rerun_share: expected a list"),
     (lambda w: w.__setitem__("rerun_share", [[1, -0.5]]), r"rerun_share: expected op index"),
     (lambda w: w.__setitem__("rerun_share", [[99, 0.5]]), r"rerun_share: expected op index"),
+    (lambda w: w.__setitem__("scratch", {"1": 8}), r"timeline.scratch: expected a list of \[op, bytes"),
+    (lambda w: w.__setitem__("scratch", [[1, -8]]), r"scratch: expected op index .* bytes >= 0"),
+    (lambda w: w.__setitem__("scratch", [[99, 8]]), r"scratch: expected op index in \[0, 8\)"),
 ])
 def test_malformed_timelines_are_refused(change, match):
     tl = job_timeline()
@@ -371,6 +382,36 @@ def test_a_retimed_job_is_replanned_at_once_with_its_new_op_times(start_server, 
         c.report(ms)
     quiet(c, v, srv)
     assert c.wait_for_plan(v, timeout_s=0.2) is c.plan and c.version == v   # none came: on time
+
+
+def test_a_retimed_jobs_workspaces_reach_the_joint_plan_and_a_re_registration(start_server, clients):
+    """With its captured op times a job sends what its ops hold while they run (``scratch``):
+    the scheduler plans with them, and a re-registration (after a scheduler restart) brings
+    them along. Only with ``retimed``: they belong to the step's new mode."""
+    srv = start_server()
+    c = measured_job(srv, clients, 100.0)
+    with pytest.raises(ValueError, match="scratch goes with retimed=True"):
+        c.report(2.0, [1.0] * 8, scratch={3: MB})
+    peak = c.plan.peak_before
+    v = c.version
+    c.report(1.5, [0.2] * 7 + [0.1], retimed=True, scratch={3: 5 * MB})
+    assert c.wait_for_plan(v, timeout_s=5.0) is c.plan and c.version > v
+    assert srv.jobs["a"].timeline.scratch == {3: 5 * MB}
+    assert c.plan.peak_before == peak + 5 * MB     # op 3 ("l") is the step's peak
+    assert c._payload["timeline"]["scratch"] == [[3, 5 * MB]]
+
+
+def test_workspaces_outside_a_retimed_report_or_the_timeline_are_refused(start_server):
+    srv = start_server()
+    s = raw(srv.path)
+    assert ask(s, encode(register_msg("raw")))["type"] == "plan"
+    reply = ask(s, encode({"type": "measured", "seq": 2, "iter_ms": 5.0, "op_times_ms": [1.0] * 8,
+                           "op_scratch": [[1, 8]]}))
+    assert reply["code"] == "bad_message" and "op_scratch goes with retimed" in reply["error"]
+    reply = ask(s, encode({"type": "measured", "seq": 3, "iter_ms": 5.0, "op_times_ms": [1.0] * 8,
+                           "retimed": True, "op_scratch": [[8, 8]]}))
+    assert reply["code"] == "bad_message" and "op index in [0, 8)" in reply["error"]
+    assert not srv.jobs["raw"].measured and srv.jobs["raw"].timeline.scratch == {}
 
 
 # Per-iteration times of a job sharing a GPU with co-runners: -40 % .. +67 % around ~60 ms

@@ -87,6 +87,33 @@ def test_bad_rerun_shares_are_rejected_clearly(share, match):
         AccessTimeline.from_ops([("a", "forward", 1.0, [], [1])], {1: 4}, rerun_share=share)
 
 
+def test_an_ops_scratch_counts_in_every_curve_while_that_op_runs():
+    """A workspace (``scratch``) is resident during its op only, in the vanilla curve and in
+    the simulator's alike; new op times keep it, ``with_scratch`` replaces it."""
+    from tensile.simulate import simulate
+    ops = [("a", "forward", 1.0, [], [1]), ("b", "forward", 1.0, [1], [2]),
+           ("c", "loss", 1.0, [2], [3])]
+    sizes = {1: 4, 2: 4, 3: 4}
+    plain = AccessTimeline.from_ops(ops, sizes)
+    tl = AccessTimeline.from_ops(ops, sizes, scratch={1: 100, 2: 0})
+    assert tl.scratch == {1: 100}                      # zeros are not kept
+    np.testing.assert_array_equal(tl.vanilla_curve() - plain.vanilla_curve(), [0, 100, 0])
+    np.testing.assert_array_equal(simulate(tl).curve, tl.vanilla_curve())
+    assert simulate(tl).peak_op == 1
+    assert tl.with_op_times([2.0] * 3).scratch == {1: 100}
+    np.testing.assert_array_equal(tl.with_scratch({}).vanilla_curve(), plain.vanilla_curve())
+
+
+@pytest.mark.parametrize("scratch, match", [
+    ({6: 8}, r"op index in \[0, 1\)"), ({0: -8}, "whole number of bytes >= 0"),
+    ({0: 1.5}, "whole number of bytes"), ({True: 8}, "op index"), ({0: True}, "whole number"),
+    ([8], "a mapping of op index to bytes"),
+])
+def test_bad_scratch_is_rejected_clearly(scratch, match):
+    with pytest.raises(ValueError, match=match):
+        AccessTimeline.from_ops([("a", "forward", 1.0, [], [1])], {1: 4}, scratch=scratch)
+
+
 def test_from_graph_checks_lengths():
     with pytest.raises(ValueError, match="6 nodes"):
         AccessTimeline.from_graph(_training_graph(), [1.0])
