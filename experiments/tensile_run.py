@@ -124,6 +124,10 @@ def validate(cfg, models: dict) -> None:
     if ss not in SWAP_SEARCH:
         raise ConfigError(f"experiment.swap_search must be one of {', '.join(SWAP_SEARCH)} (when "
                           f"the planner searches for swaps across its peak), got {ss!r}")
+    cw = exp.get("count_workspaces", True)
+    if not isinstance(cw, bool):
+        raise ConfigError(f"experiment.count_workspaces must be true or false (whether the plan "
+                          f"counts the workspaces ops hold while they run), got {cw!r}")
     ra = exp.get("rebuild_ahead", 0)
     if not isinstance(ra, (int, float)) or isinstance(ra, bool) or not 0 <= ra < 1000:
         raise ConfigError(f"experiment.rebuild_ahead must be a number of rerun times >= 0 (0: "
@@ -317,6 +321,8 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"swap_cost_ms={exp.swap_cost_ms:g}")
         if exp.get("swap_search", "unmet") != "unmet":
             knobs.append(f"swap_search={exp.swap_search}")
+        if not exp.get("count_workspaces", True):
+            knobs.append("count_workspaces=false")
         if name == "tensile_graph" and exp.get("time_captured_copies", False):
             knobs.append("time_copies")
         knobs += stream_knobs(name, exp) + record_knobs(name, exp)
@@ -777,6 +783,8 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["swap_cost_ms"] = float(exp.swap_cost_ms)
             if exp.get("swap_search", "unmet") != "unmet":
                 opts["swap_search"] = str(exp.swap_search)
+            if not exp.get("count_workspaces", True):
+                opts["count_workspaces"] = False
         if name == "tensile_graph" and exp.get("time_captured_copies", False):
             opts["time_copies"] = True
         return opts

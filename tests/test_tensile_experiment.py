@@ -160,6 +160,19 @@ def test_swap_search_reaches_the_planner_and_names_the_method(small, tmp_path):
     assert snap.replan().same_actions(snap.plan)   # planned again with the same option
 
 
+def test_uncounted_workspaces_reach_the_scheduler_and_name_the_method(small, tmp_path, monkeypatch):
+    from tensile import api
+    seen = []
+    real = api.Scheduler.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("count_workspaces", True))
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(api.Scheduler, "__init__", spy)
+    _tensile_snapshot(tmp_path, "experiment.count_workspaces=false", "tensile(count_workspaces=false)")
+    assert seen and not any(seen)
+
+
 def test_swap_cost_reaches_the_planner_and_names_the_method(small, tmp_path):
     snap = _tensile_snapshot(tmp_path, "experiment.swap_cost_ms=0.5", "tensile(swap_cost_ms=0.5)")
     assert snap.options["swap_cost_ms"] == 0.5
@@ -316,6 +329,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.swap_cost_ms=-0.1"], r"swap_cost_ms must be a time in ms >= 0, or null"),
     (["experiment.swap_search=sometimes"], r"swap_search must be one of unmet, always, never .*, got 'sometimes'"),
+    (["experiment.count_workspaces=2"], r"experiment.count_workspaces must be true or false \(whether"),
     (["experiment.time_captured_copies=2"], "experiment.time_captured_copies must be true or false, got 2"),
     (["experiment.rebuild_ahead=-2"], r"rebuild_ahead must be a number of rerun times >= 0 \(0: "
                                       r"rebuild on demand\), got -2"),

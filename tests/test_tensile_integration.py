@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -235,6 +236,26 @@ def test_budget_or_planner_with_a_socket_is_refused(sock_path):
                           scheduler_socket=sock_path, **RATES)
     with pytest.raises(ValueError, match="swap_search: expected one of"):
         tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_search="yes", **RATES)
+
+
+def test_workspaces_count_in_the_plan_unless_told_not_to():
+    """``Scheduler.scratch`` (measured when a CUDA step is captured; set by hand here) goes
+    into the timeline the plan is made from, unless ``count_workspaces=False``."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    b = batches(1)[0]
+    counted = tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, **RATES)
+    k = int(np.argmax(counted.timeline.vanilla_curve()))
+    peak = int(counted.timeline.vanilla_curve().max())
+    counted.scratch = {k: 1 << 20}
+    assert counted.timeline.scratch == {k: 1 << 20}
+    assert int(counted.timeline.vanilla_curve().max()) == peak + (1 << 20)
+    uncounted = tensile.Scheduler(model, opt, b, nn.functional.cross_entropy,
+                                  count_workspaces=False, **RATES)
+    uncounted.scratch = {k: 1 << 20}
+    assert uncounted.timeline.scratch == {} and int(uncounted.timeline.vanilla_curve().max()) == peak
+    with pytest.raises(ValueError, match="count_workspaces: expected True or False, got 1"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, count_workspaces=1, **RATES)
 
 
 def test_local_mode_reports_no_scheduler_and_close_is_harmless():
