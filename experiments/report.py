@@ -770,7 +770,10 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     setting, the latest measured before it with that peak) and the captured vanilla step
     (``graph``) before it. ``speedup`` = built-in time / TENSILE time (mean steps);
     ``ceiling`` = built-in time / graph time, the most any plan reaches (a plan adds work to
-    the unplanned step, never removes it). Over the graph step: ``allowed ms`` what the
+    the unplanned step, never removes it). ``planned MiB``: the plan's own peak, which the
+    measured one (``TENSILE MiB``) exceeds by what the plan did not count (the allocator's
+    rounding; before the forty-sixth session, the ops' workspaces too). Over the graph
+    step: ``allowed ms`` what the
     target leaves, ``priced ms`` what the planner priced its plan at, ``bound ms`` the least
     any plan of its moves could be priced at (:meth:`tensile.Scheduler.bound`, on the same op
     times; rows from before it was recorded leave it empty). ``rows``: :func:`load_rows`
@@ -791,7 +794,8 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
         line = {"model": r["model"], "batch": int(r["batch_size"]), "TENSILE": r["backend"],
                 "built-in": target, "built-in ms": round(b["mean_ms"], 3),
                 "built-in MiB": b["peak_mem_mb"], "TENSILE ms": round(r["mean_ms"], 3),
-                "TENSILE MiB": r["peak_mem_mb"], "peak met": bool(extra.get("match_met")),
+                "TENSILE MiB": r["peak_mem_mb"], "planned MiB": _round(extra.get("planned_peak_mb"), 1),
+                "peak met": bool(extra.get("match_met")),
                 "tries": len(extra.get("match_tries", [])),
                 "speedup": round(b["mean_ms"] / r["mean_ms"], 3),
                 "graph ms": _round(graph_ms),
@@ -809,8 +813,8 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
                            else "not met")
         lines.append(line)
     cols = ["model", "batch", "TENSILE", "built-in", "built-in ms", "built-in MiB", "TENSILE ms",
-            "TENSILE MiB", "peak met", "tries", "speedup", "graph ms", "ceiling", "allowed ms",
-            "priced ms", "bound ms", "verdict", "commit"]
+            "TENSILE MiB", "planned MiB", "peak met", "tries", "speedup", "graph ms", "ceiling",
+            "allowed ms", "priced ms", "bound ms", "verdict", "commit"]
     return pd.DataFrame(lines, columns=cols)
 
 

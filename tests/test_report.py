@@ -410,11 +410,12 @@ def test_equal_peak_table_pairs_each_match_with_its_own_jobs_built_in(tmp_path):
     assert second["speedup"] == 1.26 and not second["peak met"] and second["verdict"] == "not met"
     assert first["allowed ms"] == pytest.approx(13.0 / 1.2 - 10.0, abs=1e-3)
     assert first["priced ms"] is None and first["bound ms"] is None    # rows without them
+    assert first["planned MiB"] is None
     _tensile_row(store, "graph", 12.0, 1700.0, 0.0, -0.5, run_id="p2")
     _tensile_row(store, "checkpoint_graph", 13.0, 950.0, 0.44, -0.35, run_id="p2")
     _tensile_row(store, label, 12.5, 940.0, 0.45, -0.4, run_id="p2", match_peak="checkpoint_graph",
                  match_target_mb=950.0, match_met=True, plan_overhead_ms=0.52, bound_ms=0.41,
-                 bound_swaps_ms=0.33)
+                 bound_swaps_ms=0.33, planned_peak_mb=925.04)
     _tensile_row(store, "tensile_graph(match_peak=checkpoint_graph,allow_swaps=false)", 12.6, 945.0,
                  0.45, -0.4, run_id="p2", match_peak="checkpoint_graph", match_target_mb=950.0,
                  match_met=True, plan_overhead_ms=0.6, bound_ms=0.41, bound_swaps_ms=0.33)
@@ -422,6 +423,7 @@ def test_equal_peak_table_pairs_each_match_with_its_own_jobs_built_in(tmp_path):
     assert t.iloc[-2]["verdict"] == "not met (ceiling below 1.2x)"    # a ceiling under the target
     # the bound for the moves the plan was allowed: swaps too, or rebuilds alone
     assert (t.iloc[-2]["priced ms"], t.iloc[-2]["bound ms"]) == (0.52, 0.33)
+    assert t.iloc[-2]["planned MiB"] == 925.0 and pd.isna(t.iloc[-1]["planned MiB"])
     assert (t.iloc[-1]["priced ms"], t.iloc[-1]["bound ms"]) == (0.6, 0.41)
 
 
