@@ -94,6 +94,10 @@ def plan(
     run's reach and recomputation alone came closest; ``"always"`` also where a plan meets
     it, for a cheaper one (each try is a whole greedy run: seconds on ResNet-50, about half
     a minute on Inception-v4, on a laptop); ``"never"``.
+    Every peak counts the workspaces ops hold while they run (``timeline.scratch``); with a
+    budget, where they exist and the plan moves anything, the timeline is also planned as if
+    they did not, to lower budgets, and the plan that ranks best with them is kept
+    (:func:`_plan_around_workspaces`).
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_swap_search(swap_search)
