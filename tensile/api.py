@@ -422,8 +422,12 @@ class Scheduler:
     @property
     def timeline(self) -> AccessTimeline:
         """The access timeline with the current op-time estimates."""
-        return self.recording.timeline(self.times.op_ms, self.rerun_share,
-                                       self.scratch if self.count_workspaces else None)
+        return self.recording.timeline(self.times.op_ms, self.rerun_share, self._planned_scratch)
+
+    @property
+    def _planned_scratch(self) -> dict[int, int] | None:
+        """The workspaces plans count: :attr:`scratch`, or None with ``count_workspaces=False``."""
+        return self.scratch if self.count_workspaces else None
 
     def bound(self) -> dict:
         """How little extra time any plan of this step's moves could cost under the budget
@@ -616,7 +620,7 @@ class Scheduler:
             before = self.client.version
             self._ask(functools.partial(self.client.report, self.captured_vanilla_ms,
                                         self.times.op_ms, retimed=True,
-                                        scratch=self.scratch if self.count_workspaces else None))
+                                        scratch=self._planned_scratch))
             self._take(self.client.wait_for_plan(before, _RETIME_WAIT_S))
             self._last_contact = time.monotonic()
             if self.client.version <= before:

@@ -61,16 +61,17 @@ class _EventAfterEachOp(TorchDispatchMode):
         self.scratch: list[int] = []   # per counted op: bytes held only while it ran
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not is_counted(func):
+            return func(*args, **(kwargs or {}))
         device = self.stream.device
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         out = func(*args, **(kwargs or {}))
-        if is_counted(func):
-            event = torch.cuda.Event(enable_timing=True, external=True)
-            event.record(self.stream)
-            self.events.append(event)
-            held = max(before, torch.cuda.memory_allocated(device))
-            self.scratch.append(max(torch.cuda.max_memory_allocated(device) - held, 0))
+        event = torch.cuda.Event(enable_timing=True, external=True)
+        event.record(self.stream)
+        self.events.append(event)
+        held = max(before, torch.cuda.memory_allocated(device))
+        self.scratch.append(max(torch.cuda.max_memory_allocated(device) - held, 0))
         return out
 
 

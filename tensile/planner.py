@@ -138,12 +138,13 @@ def _plan_around_workspaces(tl: AccessTimeline, budget_bytes: int, best: Plan,
     greedy plan moves whole tensors, and a smaller step may end on the same plan). The
     greedy plans do not fall monotonically with the budget, so every try is ranked."""
     plain = tl.with_scratch({})
+    peak_before = int(tl.vanilla_curve().max())
     target = budget_bytes
     for _ in range(WORKSPACE_TRIES):
         p = _best_plan(plain, target, **options)
         peak = simulate(tl, p).peak
-        p = replace(p, budget_bytes=budget_bytes, peak_before=int(tl.vanilla_curve().max()),
-                    peak_after=peak, feasible=peak <= budget_bytes)
+        p = replace(p, budget_bytes=budget_bytes, peak_before=peak_before, peak_after=peak,
+                    feasible=peak <= budget_bytes)
         if _rank(p, budget_bytes) < _rank(best, budget_bytes):
             best = p
         if p.feasible:

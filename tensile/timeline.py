@@ -19,7 +19,7 @@ or by hand (:meth:`AccessTimeline.from_ops`), which is what the tests do.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -201,15 +201,12 @@ class AccessTimeline:
         """The same accesses with new op durations (after a measurement); ``rerun_share``
         and ``scratch`` are kept."""
         _check_op_ms(op_ms, self.num_ops)
-        return AccessTimeline(self.names, self.phases, np.asarray(op_ms, dtype=np.float64),
-                              self.random, self.reads, self.writes, self.tensors, self.transfers,
-                              self.rerun_share, self.scratch)
+        return replace(self, op_ms=np.asarray(op_ms, dtype=np.float64))
 
     def with_scratch(self, scratch: Mapping[int, int]) -> "AccessTimeline":
         """The same timeline with ``scratch`` (op -> bytes it holds only while it runs)
         in place of its own."""
-        return AccessTimeline(self.names, self.phases, self.op_ms, self.random, self.reads,
-                              self.writes, self.tensors, self.transfers, self.rerun_share, scratch)
+        return replace(self, scratch=scratch)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -375,6 +372,11 @@ def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], .
     return tuple(out)
 
 
+def _is_op_index(k, num_ops: int) -> bool:
+    """Whether ``k`` is an op index of a timeline of ``num_ops`` ops (an int, not a bool)."""
+    return isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
+
+
 def _checked_rerun_share(rerun_share, num_ops: int) -> dict[int, float]:
     """``rerun_share`` as ``{op: share}``; ValueError names a bad entry."""
     if not isinstance(rerun_share, Mapping):
@@ -382,10 +384,9 @@ def _checked_rerun_share(rerun_share, num_ops: int) -> dict[int, float]:
                          f"got {rerun_share!r}")
     out = {}
     for k, share in rerun_share.items():
-        ok_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
         ok_share = (isinstance(share, (int, float, np.floating, np.integer))
                     and not isinstance(share, bool) and math.isfinite(share) and share >= 0)
-        if not (ok_k and ok_share):
+        if not (_is_op_index(k, num_ops) and ok_share):
             raise ValueError(f"rerun_share: expected op index in [0, {num_ops}) -> a finite "
                              f"share of its time >= 0, got {k!r}: {share!r}")
         out[int(k)] = float(share)
@@ -398,10 +399,9 @@ def _checked_scratch(scratch, num_ops: int) -> dict[int, int]:
         raise ValueError(f"scratch: expected a mapping of op index to bytes, got {scratch!r}")
     out = {}
     for k, nbytes in scratch.items():
-        ok_k = isinstance(k, (int, np.integer)) and not isinstance(k, bool) and 0 <= k < num_ops
         ok_bytes = isinstance(nbytes, (int, np.integer)) and not isinstance(nbytes, bool) \
             and nbytes >= 0
-        if not (ok_k and ok_bytes):
+        if not (_is_op_index(k, num_ops) and ok_bytes):
             raise ValueError(f"scratch: expected op index in [0, {num_ops}) -> a whole number of "
                              f"bytes >= 0, got {k!r}: {nbytes!r}")
         if nbytes:
