@@ -909,7 +909,7 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
         gone = src in moved and (rebuilt is None or src not in rebuilt)
         if gone or any(prod < w <= j for w in s.writes):
             return None                   # it would not be there, unchanged, at op j
-        if not s.persistent and s.last < j:   # the step is done with it before op j
+        if not s.persistent and tl.vanilla_range(src)[1] < j:   # gone before op j
             if not keep_sources or src in moved or tl.backward_gap(src) is not None:
                 return None
             kept.append(src)              # kept until the rebuild (forward-only tensors)

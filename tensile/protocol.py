@@ -321,7 +321,8 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
         "tensors": [{"sid": int(t.sid), "nbytes": int(t.nbytes), "role": t.role,
                      "swappable": bool(t.swappable),
                      "needed_by": None if t.needed_by is None else int(t.needed_by),
-                     "held_to_end": bool(t.held_to_end)}
+                     "held_to_end": bool(t.held_to_end),
+                     **({} if t.held_to is None else {"held_to": int(t.held_to)})}
                     for t in tl.tensors.values()],
         "transfers": [[op, direction, nbytes] for op, direction, nbytes in tl.transfers],
         "rerun_share": [[op, share] for op, share in tl.rerun_share.items()],
@@ -330,6 +331,7 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
 
 
 _TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"}
+_OPTIONAL_TENSOR_KEYS = {"held_to"}
 
 
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
@@ -360,8 +362,9 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
     sizes, roles, swappable, needed_by = {}, {}, {}, {}
     for k, t in enumerate(data["tensors"]):
         where = f"timeline.tensors[{k}]"
-        if not isinstance(t, dict) or set(t) != _TENSOR_KEYS:
-            _fail(where, f"an object with keys {sorted(_TENSOR_KEYS)}", t)
+        if not isinstance(t, dict) or not _TENSOR_KEYS <= set(t) <= _TENSOR_KEYS | _OPTIONAL_TENSOR_KEYS:
+            _fail(where, f"an object with keys {sorted(_TENSOR_KEYS)} (and optionally "
+                  f"{sorted(_OPTIONAL_TENSOR_KEYS)})", t)
         if not _is_int(t["sid"]) or t["sid"] in sizes:
             _fail(f"{where}.sid", "a storage id (int) not listed before", t["sid"])
         if not (_is_int(t["nbytes"]) and t["nbytes"] >= 0):
@@ -374,6 +377,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             _fail(f"{where}.needed_by", f"null or an op index in [0, {n})", t["needed_by"])
         if not isinstance(t["held_to_end"], bool):
             _fail(f"{where}.held_to_end", "true or false", t["held_to_end"])
+        if "held_to" in t and not (_is_int(t["held_to"]) and 0 <= t["held_to"] < n):
+            _fail(f"{where}.held_to", f"an op index in [0, {n})", t["held_to"])
         sid = t["sid"]
         sizes[sid], roles[sid], swappable[sid] = t["nbytes"], t["role"], t["swappable"]
         if t["needed_by"] is not None:
@@ -401,6 +406,7 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             needed_by={s: v for s, v in needed_by.items() if roles[s] != "activation"},
             random_ops=[k for k in range(n) if data["random"][k]],
             held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
+            held_to={t["sid"]: t["held_to"] for t in data["tensors"] if "held_to" in t},
             transfers=data.get("transfers", []),   # entries checked by the timeline
             rerun_share={op: share for op, share in shares},
             scratch={op: nbytes for op, nbytes in scratch})   # bytes checked by the timeline

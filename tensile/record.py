@@ -159,6 +159,10 @@ class Recording:
     held_to_end: set[int] = field(default_factory=set)
     # the step's own host<->device copies: (op, "h2d" | "d2h", bytes) (a streamed optimizer)
     transfers: list[tuple[int, str, int]] = field(default_factory=list)
+    # storage -> the last op it was still allocated at, where that is after its last access
+    # (Python kept a reference: a streamed optimizer's ring slot, a gradient until its
+    # group's update is done); AccessTimeline.held_to
+    held_to: dict[int, int] = field(default_factory=dict)
 
     def timeline(self, op_ms: Sequence[float], rerun_share: Mapping[int, float] | None = None,
                  scratch: Mapping[int, int] | None = None) -> AccessTimeline:
@@ -172,7 +176,7 @@ class Recording:
                                          swappable=swappable, needed_by=self.needed_by,
                                          random_ops=self.random_ops, held_to_end=self.held_to_end,
                                          transfers=self.transfers, rerun_share=rerun_share,
-                                         scratch=scratch)
+                                         scratch=scratch, held_to=self.held_to)
 
 
 class _Recorder(TorchDispatchMode):
@@ -191,11 +195,23 @@ class _Recorder(TorchDispatchMode):
         self.random_ops: set[int] = set()  # ops that draw random numbers
         self.transfers: list[tuple[int, str, int]] = []  # copies between host and device
         self.deps = StorageDependencies()
+        self.alive: dict[int, StorageWeakRef] = {}  # storages an op made, not yet seen freed
+        self.freed_before: dict[int, int] = {}       # storage -> the first op it was gone at
+
+    def _note_frees(self, k: int) -> None:
+        """Storages made by the step that are gone before op ``k`` runs."""
+        gone = [sid for sid, ref in self.alive.items() if ref.expired()]
+        for sid in gone:
+            del self.alive[sid]
+            self.freed_before[sid] = k
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        counted = is_counted(func)
+        if counted:
+            self._note_frees(len(self.nodes))
         out = func(*args, **kwargs)
-        if not is_counted(func):
+        if not counted:
             return out
         k = len(self.nodes)
         ins = device_tensors((args, kwargs), self.device_type)
@@ -206,7 +222,12 @@ class _Recorder(TorchDispatchMode):
             if new:
                 self.first_read.add(sid)
             arg_ids.append(sid)
-        out_ids = [self.ids.get_or_new(t)[0] for t in outs]
+        out_ids = []
+        for t in outs:
+            sid, new = self.ids.get_or_new(t)
+            if new:
+                self.alive[sid] = StorageWeakRef(t.untyped_storage())
+            out_ids.append(sid)
         mutated = [self.ids.get_or_new(t)[0] for t in _mutated_args(func, args, kwargs, self.device_type)]
         reads = list(dict.fromkeys(arg_ids))
         writes = list(dict.fromkeys(out_ids + mutated))
@@ -331,9 +352,19 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     for sid in rec.first_read:  # existed before the step but is none of the known objects
         roles.setdefault(sid, "other")
     first_access: dict[int, int] = {}
+    last_access: dict[int, int] = {}
     for n in rec.nodes:
         for sid in n.reads + n.writes:
             first_access.setdefault(sid, n.index)
+            last_access[sid] = n.index
+    # How long each storage the step made was really allocated: to the op before the
+    # one it was first seen gone at (the step's last op if never), where that is later
+    # than its last access. Transient ones only (made by an op, no known role).
+    held_to = {}
+    for sid, last in last_access.items():
+        end = rec.freed_before.get(sid, len(rec.nodes)) - 1
+        if end > last and sid not in roles and sid not in rec.first_read:
+            held_to[sid] = end
     needed_by: dict[int, int] = {}
     named = dict(model.named_parameters())
     for sid, name in param_names.items():
@@ -348,7 +379,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     return Recording(graph=graph, arg_sids=rec.arg_sids, out_sids=rec.out_sids, roles=roles,
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
                      param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,
-                     held_to_end=grads, transfers=sorted(rec.transfers),
+                     held_to_end=grads, transfers=sorted(rec.transfers), held_to=held_to,
                      funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
                      grad_nodes=grad_nodes)
 

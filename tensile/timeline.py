@@ -8,7 +8,8 @@ a size, the ops that access it and a role.
 Residency rules used by the planner and the simulator (both count whole ops, not ms):
 
 * a *transient* tensor (role ``activation``: made inside the iteration) is resident from
-  the op that first writes it to the op that last accesses it, inclusive;
+  the op that first writes it to the op that last accesses it, inclusive, or to the op
+  where the step lets it go, if later (``held_to``, ``held_to_end``);
 * a *persistent* tensor (parameter, optimizer state, input, buffer, anything that
   existed before the iteration) is resident during every op. The timeline is periodic:
   op 0 of the next iteration follows op ``n - 1``.
@@ -68,6 +69,10 @@ class TensorInfo:
     swappable: bool = False
     needed_by: int | None = None
     held_to_end: bool = False   # alive to the iteration's end after its last op (gradients)
+    # the last op during which the step still holds a transient tensor after its last
+    # access (a reference Python code keeps: a streamed optimizer's ring slot, given back
+    # some updates after its last copy-out); None: freed after its last access
+    held_to: int | None = None
 
     @property
     def persistent(self) -> bool:
@@ -137,9 +142,9 @@ class AccessTimeline:
     def vanilla_range(self, sid: int) -> tuple[int, int]:
         """Ops ``(lo, hi)`` (inclusive) during which the tensor is resident without a plan."""
         t = self.tensors[sid]
-        if t.persistent:
-            return 0, self.num_ops - 1
-        return t.first, self.num_ops - 1 if t.held_to_end else t.last
+        if t.persistent or t.held_to_end:
+            return (0 if t.persistent else t.first), self.num_ops - 1
+        return t.first, t.last if t.held_to is None else max(t.last, t.held_to)
 
     def vanilla_curve(self) -> np.ndarray:
         """Resident bytes during each op, without any plan (int64 array of length n), each
@@ -223,6 +228,7 @@ class AccessTimeline:
         transfers: Iterable[tuple[int, str, int]] = (),
         rerun_share: Mapping[int, float] | None = None,
         scratch: Mapping[int, int] | None = None,
+        held_to: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -239,6 +245,9 @@ class AccessTimeline:
         copies as ``(op, "h2d" | "d2h", bytes)``. ``rerun_share`` maps an op to the share of
         its time that rerunning it for a recompute costs, where that is not all of it.
         ``scratch`` maps an op to the bytes it holds only while it runs (a workspace).
+        ``held_to`` maps a transient storage to the last op during which the step still
+        holds it after its last access (:attr:`TensorInfo.held_to`; persistent ones are
+        resident throughout anyway and ignored).
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -307,6 +316,15 @@ class AccessTimeline:
         for sid in held_to_end or ():
             if sid in tensors and not tensors[sid].persistent:
                 tensors[sid].held_to_end = True
+        for sid, op in (held_to or {}).items():
+            t = tensors.get(sid)
+            if t is None:
+                raise ValueError(f"held_to names storage {sid!r}, which no op accesses")
+            if not _is_op_index(op, n) or op < t.last:
+                raise ValueError(f"held_to[{sid}]: expected an op index from its last access "
+                                 f"({t.last}) to {n - 1}, got {op!r}")
+            if not t.persistent and op > t.last:
+                t.held_to = int(op)
         return tl
 
     @classmethod
@@ -323,6 +341,7 @@ class AccessTimeline:
         transfers: Iterable[tuple[int, str, int]] = (),
         rerun_share: Mapping[int, float] | None = None,
         scratch: Mapping[int, int] | None = None,
+        held_to: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -335,7 +354,8 @@ class AccessTimeline:
         the runtime uses :meth:`tensile.record.Recording.timeline`, which knows which
         tensors autograd really saved.
         ``op_times_ms`` gives one duration per node (see :mod:`tensile.estimate`);
-        ``scratch``: the bytes an op holds only while it runs (:meth:`from_ops`).
+        ``scratch``: the bytes an op holds only while it runs, ``held_to``: how long the
+        step holds a storage after its last access (:meth:`from_ops`).
         """
         nodes = graph.nodes
         if len(op_times_ms) != len(nodes):
@@ -355,7 +375,7 @@ class AccessTimeline:
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
                             random_ops=random_ops, held_to_end=held_to_end, transfers=transfers,
-                            rerun_share=rerun_share, scratch=scratch)
+                            rerun_share=rerun_share, scratch=scratch, held_to=held_to)
 
 
 def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], ...]:

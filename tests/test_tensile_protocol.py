@@ -213,6 +213,12 @@ def test_timeline_round_trip():
                                     "held_to_end": False}), "never accessed"),
     (lambda w: w["tensors"][0].__setitem__("held_to_end", "yes"), r"held_to_end: expected true or false"),
     (lambda w: w["tensors"][0].pop("held_to_end"), r"an object with keys"),
+    (lambda w: w["tensors"][0].__setitem__("held_to", "later"), r"held_to: expected an op index"),
+    (lambda w: w["tensors"][0].__setitem__("held_to", 8), r"held_to: expected an op index in \[0, 8\)"),
+    (lambda w: w["tensors"][0].__setitem__("held_to", -1), r"held_to: expected an op index"),
+    (lambda w: next(t for t in w["tensors"] if t["sid"] == 2).__setitem__("held_to", 3),
+     r"timeline: held_to\[2\]: expected an op index from its last access \(6\)"),
+    (lambda w: w["tensors"][0].__setitem__("kept", 1), r"an object with keys .* optionally \['held_to'\]"),
     (lambda w: w["tensors"][0].__setitem__("role", "weights"), r"role"),
     (lambda w: w["tensors"][0].__setitem__("nbytes", -5), r"nbytes"),
     (lambda w: w.pop("random"), "an object with names"),
@@ -740,3 +746,10 @@ def test_gradients_held_to_the_end_travel_with_the_timeline():
     back = timeline_from_wire(timeline_to_wire(tl), list(tl.op_ms))
     assert back.tensors[3].held_to_end and back.vanilla_range(3) == (1, 3)
     assert list(back.vanilla_curve()) == list(tl.vanilla_curve())
+    # and a storage held past its last access (held_to), but only where there is one
+    held = AccessTimeline.from_ops(ops, {1: 8, 2: 16, 3: 32}, {1: "param"}, held_to={2: 2})
+    wire = json.loads(json.dumps(timeline_to_wire(held)))
+    assert wire["tensors"][1]["held_to"] == 2 and "held_to" not in wire["tensors"][0]
+    back = timeline_from_wire(wire, list(held.op_ms))
+    assert back.tensors[2].held_to == 2 and back.vanilla_range(2) == (0, 2)
+    assert list(back.vanilla_curve()) == list(held.vanilla_curve())

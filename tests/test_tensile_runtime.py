@@ -506,6 +506,35 @@ def test_the_recording_knows_the_gradients_live_until_the_step_ends():
         assert tl.vanilla_range(sid) == (t.first, tl.num_ops - 1)
 
 
+def test_the_recording_knows_how_long_the_step_holds_what_it_no_longer_reads():
+    """A storage Python keeps past its last access takes memory until it is let go (a
+    streamed optimizer's ring slot, given back some updates after its last copy-out): the
+    recording sees it go and the timeline counts it to there (``held_to``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stash, kept = {}, []
+    model[0].register_forward_hook(lambda _m, _a, out: stash.__setitem__("let go", out * 3))
+    model[3].register_forward_hook(lambda _m, _a, out: stash.clear())
+    model[2].register_forward_hook(lambda _m, _a, out: kept.append(out + 1))
+    data = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    rec = record_step(model, opt, data, nn.functional.cross_entropy)
+    names = [n.name for n in rec.graph.nodes]
+    let_go = rec.out_sids[names.index("aten.mul.Tensor")][0]
+    still = rec.out_sids[names.index("aten.add.Tensor")][0]
+    popped_at = next(a.ops for a in rec.anchors if a.key == ("post", 4, 0))   # model[3]'s hook
+    tl = rec.timeline([1.0] * len(names))
+    assert tl.tensors[let_go].last == names.index("aten.mul.Tensor")   # never read again
+    assert tl.tensors[let_go].held_to == popped_at - 1
+    assert tl.vanilla_range(let_go) == (tl.tensors[let_go].first, popped_at - 1)
+    assert tl.tensors[still].held_to == tl.num_ops - 1                   # still in the list
+    # a tensor freed right after its last access (the ReLU's output, read by the next
+    # Linear and by backward) is not held
+    assert all(h > tl.tensors[s].last for s, h in rec.held_to.items())
+    assert let_go in rec.held_to and len(rec.held_to) < len(tl.tensors)
+
+
 def _vanilla_and_scheduled(factory, steps: int, **plan_kwargs):
     """``steps`` SGD steps of ``factory()``, vanilla and scheduled with recomputation only
     (copies too slow to hide): both runs' state tensors, and the scheduler."""

@@ -360,7 +360,9 @@ def test_a_chunked_update_trains_bit_for_bit_and_steps_on_at_most_the_chunk(make
 
 def test_a_chunked_update_lowers_the_recorded_peak_by_the_temporaries_it_bounds():
     """Adam's update makes a temporary as large as the parameters it updates: the 256 KiB
-    weight's sits on the recorded step's peak, and 16 KiB slices take about 240 KiB off it."""
+    weight's sits on the recorded step's peak, and 16 KiB slices take about 240 KiB off it,
+    or up to the weight's size more: a whole update also holds the weight's gradient beside
+    that temporary (it goes when the group's update is done; ``AccessTimeline.held_to``)."""
     data = _wide_batches(3)
     peaks = {}
     for chunk in (None, 1 / 64):
@@ -372,7 +374,7 @@ def test_a_chunked_update_lowers_the_recorded_peak_by_the_temporaries_it_bounds(
         rec = tensile.record_step(model, opt, data[-1], LOSS)
         peaks[chunk] = max(rec.timeline([1.0] * len(rec.graph.nodes)).vanilla_curve())
     weight = 256 * 256 * 4
-    assert weight - 2 * 16 * 1024 <= peaks[None] - peaks[1 / 64] <= weight
+    assert weight - 2 * 16 * 1024 <= peaks[None] - peaks[1 / 64] <= 2 * weight
 
 
 @pytest.mark.parametrize("chunk", [0, -1.0, True, "64"])

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from nimble.graph import OpNode, TaskGraph
+from tensile.simulate import simulate
 from tensile.timeline import AccessTimeline
 
 
@@ -146,3 +147,27 @@ def test_gradients_held_to_the_end_count_until_the_iteration_ends():
     assert held.tensors[3].held_to_end and not held.tensors[1].held_to_end
     assert list(free.vanilla_curve()) == [40, 240, 220, 120]
     assert list(held.vanilla_curve()) == [40, 240, 220, 220]
+
+
+def test_a_tensor_held_after_its_last_access_counts_until_it_is_let_go():
+    """``held_to``: Python kept a reference past the last op that touched the storage (a
+    streamed optimizer's ring slot); the memory counts until then, in every curve."""
+    ops = [("f", "forward", 1.0, [1], [2]), ("g", "forward", 1.0, [2], [3]),
+           ("h", "backward", 1.0, [3], [4]), ("i", "backward", 1.0, [4], [5])]
+    sizes = {1: 10, 2: 20, 3: 100, 4: 40, 5: 1}
+    free = AccessTimeline.from_ops(ops, sizes, {1: "param"})
+    held = AccessTimeline.from_ops(ops, sizes, {1: "param"}, held_to={2: 3, 1: 3})
+    assert free.vanilla_range(2) == (0, 1) and held.vanilla_range(2) == (0, 3)
+    assert held.tensors[2].held_to == 3 and held.tensors[1].held_to is None   # 1: persistent
+    assert list(free.vanilla_curve()) == [30, 130, 150, 51]
+    assert list(held.vanilla_curve()) == [30, 130, 170, 71]
+    assert simulate(held).peak == 170
+    # the same as its last access: nothing to add
+    assert AccessTimeline.from_ops(ops, sizes, held_to={2: 1}).tensors[2].held_to is None
+    with pytest.raises(ValueError, match=r"held_to\[2\]: expected an op index from its last "
+                                         r"access \(1\) to 3, got 0"):
+        AccessTimeline.from_ops(ops, sizes, held_to={2: 0})
+    with pytest.raises(ValueError, match=r"held_to\[2\]: .* got 4"):
+        AccessTimeline.from_ops(ops, sizes, held_to={2: 4})
+    with pytest.raises(ValueError, match="held_to names storage 9, which no op accesses"):
+        AccessTimeline.from_ops(ops, sizes, held_to={9: 2})
