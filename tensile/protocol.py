@@ -322,7 +322,8 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
                      "swappable": bool(t.swappable),
                      "needed_by": None if t.needed_by is None else int(t.needed_by),
                      "held_to_end": bool(t.held_to_end),
-                     **({} if t.held_to is None else {"held_to": int(t.held_to)})}
+                     **({} if t.held_to is None else {"held_to": int(t.held_to)}),
+                     **({} if t.forward_hold is None else {"forward_hold": int(t.forward_hold)})}
                     for t in tl.tensors.values()],
         "transfers": [[op, direction, nbytes] for op, direction, nbytes in tl.transfers],
         "rerun_share": [[op, share] for op, share in tl.rerun_share.items()],
@@ -331,7 +332,7 @@ def timeline_to_wire(tl: AccessTimeline) -> dict:
 
 
 _TENSOR_KEYS = {"sid", "nbytes", "role", "swappable", "needed_by", "held_to_end"}
-_OPTIONAL_TENSOR_KEYS = {"held_to"}
+_OPTIONAL_TENSOR_KEYS = {"held_to", "forward_hold"}
 
 
 def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
@@ -377,8 +378,9 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             _fail(f"{where}.needed_by", f"null or an op index in [0, {n})", t["needed_by"])
         if not isinstance(t["held_to_end"], bool):
             _fail(f"{where}.held_to_end", "true or false", t["held_to_end"])
-        if "held_to" in t and not (_is_int(t["held_to"]) and 0 <= t["held_to"] < n):
-            _fail(f"{where}.held_to", f"an op index in [0, {n})", t["held_to"])
+        for key in _OPTIONAL_TENSOR_KEYS & set(t):
+            if not (_is_int(t[key]) and 0 <= t[key] < n):
+                _fail(f"{where}.{key}", f"an op index in [0, {n})", t[key])
         sid = t["sid"]
         sizes[sid], roles[sid], swappable[sid] = t["nbytes"], t["role"], t["swappable"]
         if t["needed_by"] is not None:
@@ -407,6 +409,8 @@ def timeline_from_wire(data: Any, op_ms: list[float]) -> AccessTimeline:
             random_ops=[k for k in range(n) if data["random"][k]],
             held_to_end=[t["sid"] for t in data["tensors"] if t["held_to_end"]],
             held_to={t["sid"]: t["held_to"] for t in data["tensors"] if "held_to" in t},
+            forward_hold={t["sid"]: t["forward_hold"] for t in data["tensors"]
+                          if "forward_hold" in t},
             transfers=data.get("transfers", []),   # entries checked by the timeline
             rerun_share={op: share for op, share in shares},
             scratch={op: nbytes for op, nbytes in scratch})   # bytes checked by the timeline

@@ -133,7 +133,7 @@ class Anchor:
     key: tuple
     ops: int          # ops done before the event
     phase: str
-    sids: tuple = ()  # pack: the saved tensor's storage id; post: the module's outputs'
+    sids: tuple = ()  # pack: the saved tensor's storage id; pre / post: the module's inputs' / outputs'
 
 
 @dataclass
@@ -163,6 +163,10 @@ class Recording:
     # (Python kept a reference: a streamed optimizer's ring slot, a gradient until its
     # group's update is done); AccessTimeline.held_to
     held_to: dict[int, int] = field(default_factory=dict)
+    # storage -> the last op of a forward module call it is an input of, where that is after
+    # its last access in that call (its caller holds it until the call returns);
+    # AccessTimeline.forward_hold
+    forward_hold: dict[int, int] = field(default_factory=dict)
 
     def timeline(self, op_ms: Sequence[float], rerun_share: Mapping[int, float] | None = None,
                  scratch: Mapping[int, int] | None = None) -> AccessTimeline:
@@ -176,7 +180,8 @@ class Recording:
                                          swappable=swappable, needed_by=self.needed_by,
                                          random_ops=self.random_ops, held_to_end=self.held_to_end,
                                          transfers=self.transfers, rerun_share=rerun_share,
-                                         scratch=scratch, held_to=self.held_to)
+                                         scratch=scratch, held_to=self.held_to,
+                                         forward_hold=self.forward_hold)
 
 
 class _Recorder(TorchDispatchMode):
@@ -293,8 +298,8 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         anchor(("unpack",))
         return t
 
-    def pre_hook(module: nn.Module, m: int) -> None:
-        anchor(("pre", m))
+    def pre_hook(module: nn.Module, m: int, args) -> None:
+        anchor(("pre", m), tuple(rec.ids.lookup(t) for t in device_tensors(args, device_type)))
         for p in module._parameters.values():
             if p is not None and id(p) not in prehook_at:
                 prehook_at[id(p)] = len(rec.nodes)
@@ -322,7 +327,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     handles = []
     for m, module in enumerate(model.modules()):
         handles.append(module.register_forward_pre_hook(
-            lambda mod, _args, m=m: pre_hook(mod, m)))
+            lambda mod, args, m=m: pre_hook(mod, m, args)))
         handles.append(module.register_forward_hook(
             lambda _mod, _args, out, m=m: post_hook(out, m)))
     try:
@@ -365,6 +370,22 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
         end = rec.freed_before.get(sid, len(rec.nodes)) - 1
         if end > last and sid not in roles and sid not in rec.first_read:
             held_to[sid] = end
+    # A forward module call's inputs stay referenced by its caller until it returns: kept
+    # where that is after their last forward access (a residual block's input).
+    forward_last: dict[int, int] = {}
+    for n in rec.nodes:
+        if n.phase in ("forward", "loss"):
+            forward_last.update((sid, n.index) for sid in n.reads + n.writes)
+    call_end = {a.key[1:]: a.ops - 1 for a in anchors if a.key[0] == "post"}
+    forward_hold: dict[int, int] = {}
+    for a in anchors:
+        end = call_end.get(a.key[1:]) if a.key[0] == "pre" else None
+        if end is None or a.phase not in ("forward", "loss"):
+            continue
+        for sid in a.sids:
+            if sid in forward_last and sid not in roles and end > max(
+                    forward_last[sid], forward_hold.get(sid, -1)):
+                forward_hold[sid] = end
     needed_by: dict[int, int] = {}
     named = dict(model.named_parameters())
     for sid, name in param_names.items():
@@ -380,6 +401,7 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
                      saved=saved, needed_by=needed_by, random_ops=rec.random_ops,
                      param_names=param_names, opt_state_keys=opt_keys, device_type=device_type,
                      held_to_end=grads, transfers=sorted(rec.transfers), held_to=held_to,
+                     forward_hold=forward_hold,
                      funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
                      grad_nodes=grad_nodes)
 

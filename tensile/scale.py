@@ -111,7 +111,7 @@ def _structure(rec: Recording) -> dict[str, object]:
         "dependencies": (g.edges, g.inputs, g.params, g.outputs, g.num_view_ops, g.raw_ops),
         "op arguments' storages": (rec.arg_sids, rec.out_sids),
         "storage roles": (rec.roles, rec.saved, rec.needed_by, rec.held_to_end,
-                          rec.held_to),
+                          rec.held_to, rec.forward_hold),
         "random ops": rec.random_ops,
         "parameters and optimizer state": (rec.param_names, rec.opt_state_keys),
         "hooks": (rec.anchors, rec.boundaries, rec.grad_nodes),

@@ -73,6 +73,10 @@ class TensorInfo:
     # access (a reference Python code keeps: a streamed optimizer's ring slot, given back
     # some updates after its last copy-out); None: freed after its last access
     held_to: int | None = None
+    # the last op of a forward module call that took it as an input: its caller references
+    # it until the call returns, so it cannot leave the device before (a residual block's
+    # input, read by its last conv long before the block's add); None: no such call
+    forward_hold: int | None = None
 
     @property
     def persistent(self) -> bool:
@@ -169,8 +173,9 @@ class AccessTimeline:
         Between them a transient tensor is only referenced by autograd's saved-tensor
         slot, so the runtime can swap or drop it there. Inside the forward pass Python
         code may still hold the tensor (a residual branch, say): moving it there would
-        free nothing, so this is the only gap a transient tensor is moved in.
-        Returns ``None`` when the tensor has no such gap.
+        free nothing, so this is the only gap a transient tensor is moved in, and it
+        starts no earlier than the end of the module calls it is an input of
+        (``forward_hold``). Returns ``None`` when the tensor has no such gap.
         """
         t = self.tensors[sid]
         if t.persistent:
@@ -180,6 +185,8 @@ class AccessTimeline:
         if not fwd or not bwd:
             return None
         i, j = fwd[-1], bwd[0]
+        if t.forward_hold is not None:
+            i = max(i, t.forward_hold)   # the forward code still references it
         if j <= i + 1:
             return None
         return i, j
@@ -229,6 +236,7 @@ class AccessTimeline:
         rerun_share: Mapping[int, float] | None = None,
         scratch: Mapping[int, int] | None = None,
         held_to: Mapping[int, int] | None = None,
+        forward_hold: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build a timeline by hand.
 
@@ -247,7 +255,9 @@ class AccessTimeline:
         ``scratch`` maps an op to the bytes it holds only while it runs (a workspace).
         ``held_to`` maps a transient storage to the last op during which the step still
         holds it after its last access (:attr:`TensorInfo.held_to`; persistent ones are
-        resident throughout anyway and ignored).
+        resident throughout anyway and ignored). ``forward_hold`` maps a transient storage
+        to the last op of a forward module call it is an input of (:attr:`TensorInfo.
+        forward_hold`: its backward gap starts after it).
         """
         roles = dict(roles or {})
         n = len(ops)
@@ -300,6 +310,15 @@ class AccessTimeline:
                  [k in rnd for k in range(n)], reads, writes, tensors, tuple(transfers),
                  {} if rerun_share is None else rerun_share, {} if scratch is None else scratch)
 
+        for sid, op in (forward_hold or {}).items():
+            t = tensors.get(sid)
+            if t is None:
+                raise ValueError(f"forward_hold names storage {sid!r}, which no op accesses")
+            if not _is_op_index(op, n) or op < t.first or phases[op] not in FORWARD_PHASES:
+                raise ValueError(f"forward_hold[{sid}]: expected the index of a forward op from "
+                                 f"its first access ({t.first}) on, got {op!r}")
+            if not t.persistent:
+                t.forward_hold = int(op)
         nb = dict(needed_by or {})
         for sid, t in tensors.items():
             if t.persistent:
@@ -342,6 +361,7 @@ class AccessTimeline:
         rerun_share: Mapping[int, float] | None = None,
         scratch: Mapping[int, int] | None = None,
         held_to: Mapping[int, int] | None = None,
+        forward_hold: Mapping[int, int] | None = None,
     ) -> "AccessTimeline":
         """Build the timeline of a training trace (a :class:`nimble.graph.TaskGraph`).
 
@@ -354,8 +374,9 @@ class AccessTimeline:
         the runtime uses :meth:`tensile.record.Recording.timeline`, which knows which
         tensors autograd really saved.
         ``op_times_ms`` gives one duration per node (see :mod:`tensile.estimate`);
-        ``scratch``: the bytes an op holds only while it runs, ``held_to``: how long the
-        step holds a storage after its last access (:meth:`from_ops`).
+        ``scratch``: the bytes an op holds only while it runs, ``held_to`` and
+        ``forward_hold``: how long the step holds a storage after its last access and in
+        forward (:meth:`from_ops`).
         """
         nodes = graph.nodes
         if len(op_times_ms) != len(nodes):
@@ -375,7 +396,8 @@ class AccessTimeline:
         auto.update(roles or {})
         return cls.from_ops(ops, sizes, auto, swappable=swappable, needed_by=needed_by,
                             random_ops=random_ops, held_to_end=held_to_end, transfers=transfers,
-                            rerun_share=rerun_share, scratch=scratch, held_to=held_to)
+                            rerun_share=rerun_share, scratch=scratch, held_to=held_to,
+                            forward_hold=forward_hold)
 
 
 def _checked_transfers(transfers, num_ops: int) -> tuple[tuple[int, str, int], ...]:

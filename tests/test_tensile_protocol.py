@@ -218,7 +218,10 @@ def test_timeline_round_trip():
     (lambda w: w["tensors"][0].__setitem__("held_to", -1), r"held_to: expected an op index"),
     (lambda w: next(t for t in w["tensors"] if t["sid"] == 2).__setitem__("held_to", 3),
      r"timeline: held_to\[2\]: expected an op index from its last access \(6\)"),
-    (lambda w: w["tensors"][0].__setitem__("kept", 1), r"an object with keys .* optionally \['held_to'\]"),
+    (lambda w: w["tensors"][0].__setitem__("kept", 1), r"an object with keys .* optionally \['forward_hold', 'held_to'\]"),
+    (lambda w: w["tensors"][0].__setitem__("forward_hold", 8), r"forward_hold: expected an op index in \[0, 8\)"),
+    (lambda w: next(t for t in w["tensors"] if t["sid"] == 2).__setitem__("forward_hold", 5),
+     r"timeline: forward_hold\[2\]: expected the index of a forward op from its first access \(0\)"),
     (lambda w: w["tensors"][0].__setitem__("role", "weights"), r"role"),
     (lambda w: w["tensors"][0].__setitem__("nbytes", -5), r"nbytes"),
     (lambda w: w.pop("random"), "an object with names"),
@@ -753,3 +756,13 @@ def test_gradients_held_to_the_end_travel_with_the_timeline():
     back = timeline_from_wire(wire, list(held.op_ms))
     assert back.tensors[2].held_to == 2 and back.vanilla_range(2) == (0, 2)
     assert list(back.vanilla_curve()) == list(held.vanilla_curve())
+    # and one its forward code holds past its last forward access (forward_hold)
+    ops = [("f", "forward", 1.0, [1], [2]), ("g", "forward", 1.0, [2], [3]),
+           ("h", "forward", 1.0, [3], [4]), ("b", "backward", 1.0, [4, 2], [5]),
+           ("o", "optimizer", 1.0, [1, 5], [1])]
+    tl = AccessTimeline.from_ops(ops, {s: 8 for s in range(1, 6)}, {1: "param"},
+                                 forward_hold={2: 2})
+    wire = json.loads(json.dumps(timeline_to_wire(tl)))
+    assert [t.get("forward_hold") for t in wire["tensors"]] == [None, 2, None, None, None]
+    back = timeline_from_wire(wire, list(tl.op_ms))
+    assert back.tensors[2].forward_hold == 2 and back.backward_gap(2) is None

@@ -535,6 +535,34 @@ def test_the_recording_knows_how_long_the_step_holds_what_it_no_longer_reads():
     assert let_go in rec.held_to and len(rec.held_to) < len(tl.tensors)
 
 
+def test_the_recording_knows_a_module_input_is_held_until_the_call_returns():
+    """A block reads its input in its first op only, but its caller references the input
+    until the block returns: the input's backward gap (where a plan may move it) starts
+    at the block's last op (``forward_hold``), not at that first read."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.b(torch.relu(self.a(x)))) * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Block(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = record_step(model, opt, (torch.randn(4, 8), torch.randint(0, 4, (4,))),
+                      nn.functional.cross_entropy)
+    block = [m for m in model.modules()].index(model[1])
+    start = next(a.ops for a in rec.anchors if a.key == ("pre", block, 0))
+    end = next(a.ops for a in rec.anchors if a.key == ("post", block, 0)) - 1
+    x = rec.out_sids[start - 1][0]           # the first Linear's output, the block's input
+    tl = rec.timeline([1.0] * rec.graph.num_nodes)
+    assert start in tl.tensors[x].accesses and end not in tl.tensors[x].accesses
+    assert rec.forward_hold[x] == end and tl.backward_gap(x)[0] == end
+    rec.forward_hold = {}
+    assert rec.timeline([1.0] * rec.graph.num_nodes).backward_gap(x)[0] == start
+
+
 def _vanilla_and_scheduled(factory, steps: int, **plan_kwargs):
     """``steps`` SGD steps of ``factory()``, vanilla and scheduled with recomputation only
     (copies too slow to hide): both runs' state tensors, and the scheduler."""

@@ -171,3 +171,32 @@ def test_a_tensor_held_after_its_last_access_counts_until_it_is_let_go():
         AccessTimeline.from_ops(ops, sizes, held_to={2: 4})
     with pytest.raises(ValueError, match="held_to names storage 9, which no op accesses"):
         AccessTimeline.from_ops(ops, sizes, held_to={9: 2})
+
+
+def test_a_module_input_leaves_the_device_only_after_the_call_that_took_it_returns():
+    """``forward_hold``: a residual block's input is read by its first conv and its add, but
+    its caller references it until the block returns, so its backward gap (where a plan may
+    swap or drop it) starts there."""
+    ops = [("conv1", "forward", 1.0, [1], [2]), ("conv2", "forward", 1.0, [2], [3]),
+           ("add", "forward", 1.0, [3, 1], [4]), ("relu_", "forward", 1.0, [4], [4]),
+           ("next", "forward", 1.0, [4], [5]), ("loss", "loss", 1.0, [5], [6]),
+           ("b2", "backward", 1.0, [6, 4], [7]), ("b1", "backward", 1.0, [7, 1, 2], [8])]
+    sizes = {s: 10 for s in range(1, 9)}
+    free = AccessTimeline.from_ops([("stem", "forward", 1.0, [], [1])] + ops, sizes)
+    held = AccessTimeline.from_ops([("stem", "forward", 1.0, [], [1])] + ops, sizes,
+                                   forward_hold={1: 4, 2: 2})
+    assert free.backward_gap(1) == (3, 8) and held.backward_gap(1) == (4, 8)
+    assert held.tensors[1].forward_hold == 4 and held.tensors[1].swappable
+    # held to its own last forward access or earlier: nothing changes
+    assert held.backward_gap(2) == free.backward_gap(2) == (2, 8)
+    # held to the op before its first backward access: no gap left to move it in
+    closed = AccessTimeline.from_ops([("stem", "forward", 1.0, [], [1])] + ops, sizes,
+                                     forward_hold={4: 6})
+    assert free.backward_gap(4) == (5, 7) and closed.backward_gap(4) is None
+    assert not closed.tensors[4].swappable and free.tensors[4].swappable
+    for bad, match in (({9: 3}, "forward_hold names storage 9"),
+                       ({1: 7}, r"forward_hold\[1\]: expected the index of a forward op"),
+                       ({2: 0}, r"forward_hold\[2\]: .* from its first access \(1\) on, got 0")):
+        with pytest.raises(ValueError, match=match):
+            AccessTimeline.from_ops([("stem", "forward", 1.0, [], [1])] + ops, sizes,
+                                    forward_hold=bad)
