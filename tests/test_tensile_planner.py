@@ -86,8 +86,19 @@ def timelines(draw):
            for k in range(n)]
     random_ops = {k for k in fwd if draw(st.integers(0, 6)) == 0}
     scratch = {k: draw(size) for k in range(n) if draw(st.integers(0, 5)) == 0}  # workspaces
+    touched = {}   # activation -> its accesses
+    for k in range(n):
+        for a in reads[k] | writes[k]:
+            if a not in roles:
+                touched.setdefault(a, []).append(k)
+    held_to, forward_hold = {}, {}
+    for a, acc in sorted(touched.items()):
+        if draw(st.integers(0, 3)) == 0:   # still referenced after its last access
+            held_to[a] = draw(st.integers(acc[-1], n - 1))
+        if acc[0] <= n_fwd and draw(st.integers(0, 3)) == 0:   # the input of a forward call
+            forward_hold[a] = draw(st.integers(acc[0], n_fwd))
     return AccessTimeline.from_ops(ops, sizes, roles, needed_by=needed, random_ops=random_ops,
-                                   scratch=scratch)
+                                   scratch=scratch, held_to=held_to, forward_hold=forward_hold)
 
 
 bandwidths = st.floats(1e7, 1e11)
@@ -153,6 +164,7 @@ def check_swap(tl: AccessTimeline, s: Swap) -> None:
         assert s.in_start_ms >= s.out_end_ms - EPS
         before = [a for a in t.accesses if a < s.use_op]
         assert s.release_after_op >= before[-1], "released before its last read"
+        assert s.release_after_op >= (t.forward_hold or 0), "released while forward code holds it"
         assert not [a for a in t.accesses if s.release_after_op < a < s.use_op]
         last_write = max(w for w in t.writes if w <= s.release_after_op)
         assert s.out_start_ms >= tl.end[last_write] - EPS, "copied out before its last write"
@@ -177,6 +189,7 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
                          if s != r.sid and (tl.tensors[s].persistent or tl.tensors[s].writes[0] != r.producer_op)]
     before = [a for a in t.accesses if a < r.before_op]
     assert r.release_after_op >= before[-1], "released before its last read"
+    assert r.release_after_op >= (t.forward_hold or 0), "released while forward code holds it"
     assert not [a for a in t.accesses if r.release_after_op < a < r.before_op]
     assert r.before_op <= tl.backward_gap(r.sid)[1]
     swapped = {s.sid for s in p.swaps}
@@ -192,11 +205,12 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
         st_ = tl.tensors[src]
         assert src not in swapped, "a recompute source is swapped"
         if src in r.kept:   # done with in forward, kept (and counted) until the rebuild
-            assert not st_.persistent and st_.last < r.before_op and src not in rebuilt
+            gone = tl.vanilla_range(src)[1]   # its last access, or where the step lets it go
+            assert not st_.persistent and gone < r.before_op and src not in rebuilt
             assert tl.backward_gap(src) is None
-            assert kept_to[src] == (st_.last + 1, kept_to[src][1]) and kept_to[src][1] >= r.before_op
+            assert kept_to[src] == (gone + 1, kept_to[src][1]) and kept_to[src][1] >= r.before_op
         else:
-            assert st_.persistent or st_.last >= r.before_op, "source freed before the recompute"
+            assert tl.vanilla_range(src)[1] >= r.before_op, "source freed before the recompute"
         assert not [w for w in st_.writes if r.producer_op < w <= r.before_op]
 
 
