@@ -14,7 +14,9 @@ It solves the linear relaxation of choosing those moves. Per activation ``s`` wi
 At every op ``p`` whose resident bytes without a plan exceed the budget, the moves whose
 gap spans ``p`` free at least the excess: ``sum nbytes_s (x_s + y_s) >= curve[p] - budget``.
 What is swapped out at ``p`` was copied out since the step began and goes back in before
-it ends: ``sum nbytes_s y_s <= d2h_bw * start[p]`` and ``<= h2d_bw * (T - end[p])``. A
+it ends: ``sum nbytes_s y_s <= d2h_bw * start[p]`` and ``<= h2d_bw * (T - end[p])``, each
+time less what the step's own copies keep the channel busy then (``tl.transfers``, a
+streamed optimizer's state, as the planner places them: :func:`tensile.planner.transfer_intervals`). A
 rebuild reads its inputs when backward first needs it (op ``j_s``): where an input ``u``
 is itself moved and needed later (``j_s < j_u``), it is back by then unless it is rebuilt
 once more for that rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_u <=
@@ -37,7 +39,7 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from .planner import _rerun_ms, _rerun_ops
+from .planner import _rerun_ms, _rerun_ops, transfer_intervals
 from .timeline import AccessTimeline
 
 __all__ = ["PlanBound", "extra_time_bound"]
@@ -166,6 +168,8 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
     def away(k: int) -> list[int]:
         return [cols[key] for key in (("x", k), ("y", k)) if key in cols]
     T = tl.iteration_ms
+    # the channels' time the step's own copies (a streamed optimizer's) leave to swaps
+    busy = transfer_intervals(tl, d2h_bw, h2d_bw, 0.0) if swaps else {"d2h": [], "h2d": []}
     for a, b in segments:
         freed, out = [], []
         for k, m in enumerate(moves):
@@ -181,8 +185,8 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             return None                     # nothing can free memory at these ops
         add_row(freed, -float(excess[a:b].max()))    # the bytes away >= the excess
         if out:
-            add_row(out, d2h_bw * float(tl.start[a]) / 1e3)
-            add_row(out, h2d_bw * (T - float(tl.end[b - 1])) / 1e3)
+            add_row(out, d2h_bw * _free_ms(busy["d2h"], 0.0, float(tl.start[a])) / 1e3)
+            add_row(out, h2d_bw * _free_ms(busy["h2d"], float(tl.end[b - 1]), T) / 1e3)
     for k, m in enumerate(moves):
         gone = away(k)
         if len(gone) == 2:                  # x + y <= 1
@@ -195,3 +199,9 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
     a_ub = coo_matrix((entries[2], (entries[0], entries[1])), shape=(rows, len(cost))).tocsr()
     res = linprog(np.asarray(cost), A_ub=a_ub, b_ub=np.asarray(rhs), bounds=(0.0, 1.0), method="highs")
     return float(res.fun) if res.status == 0 else None
+
+
+def _free_ms(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """How much of ``[lo, hi]`` (ms) the intervals ``busy`` leave free."""
+    taken = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in busy)
+    return max(0.0, hi - lo - taken)

@@ -403,6 +403,26 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
     return result
 
 
+def transfer_intervals(tl: AccessTimeline, d2h_bw: float, h2d_bw: float,
+                       latency: float) -> dict[str, list[tuple[float, float]]]:
+    """When the step's own copies (``tl.transfers``: a streamed optimizer's state) keep each
+    channel busy, ``{"d2h": [(start, end), ...], "h2d": [...]}`` in ms: each copy starts when
+    its op is issued or when the channel's previous one of them ends (a stream runs its
+    copies in order) and takes bytes / bandwidth (bytes/s) plus ``latency``; kept inside the
+    iteration (the channel is full to its end either way)."""
+    out: dict[str, list[tuple[float, float]]] = {"d2h": [], "h2d": []}
+    last = {"h2d": 0.0, "d2h": 0.0}
+    cycle = tl.iteration_ms
+    for op, direction, nbytes in tl.transfers:
+        per_byte = 1e3 / (h2d_bw if direction == "h2d" else d2h_bw)
+        start = max(float(tl.start[op]), last[direction])
+        if start >= cycle - EPS:
+            continue   # the channel is busy to the iteration's end already
+        last[direction] = start + nbytes * per_byte + latency
+        out[direction].append((start, min(last[direction], cycle)))
+    return out
+
+
 class CopyChannel:
     """One copy direction: sorted, pairwise disjoint busy intervals ``[start, end)`` in ms.
 
@@ -460,6 +480,7 @@ class PlanState:
 
     def __init__(self, tl: AccessTimeline, d2h_bw: float, h2d_bw: float, latency: float):
         self.tl = tl
+        self.bandwidths = (d2h_bw, h2d_bw)
         self.d2h_ms_per_byte = 1e3 / d2h_bw
         self.h2d_ms_per_byte = 1e3 / h2d_bw
         self.latency = latency
@@ -491,20 +512,12 @@ class PlanState:
 
     def reserve_transfers(self) -> None:
         """Mark the step's own copies (``tl.transfers``: a streamed optimizer's state) busy on
-        their channels: each starts when its op is issued or when the channel's previous
-        one of them ends (a stream runs its copies in order) and takes bytes / bandwidth
-        plus the latency. The plan's copies then go around them. Call again after
-        replacing the channels (the joint planner does)."""
-        last = {"h2d": 0.0, "d2h": 0.0}
-        cycle = self.tl.iteration_ms
-        for op, direction, nbytes in self.tl.transfers:
-            per_byte = self.h2d_ms_per_byte if direction == "h2d" else self.d2h_ms_per_byte
-            start = max(float(self.tl.start[op]), last[direction])
-            if start >= cycle - EPS:
-                continue   # the channel is busy to the iteration's end already
-            last[direction] = start + nbytes * per_byte + self.latency
-            # kept inside the iteration: the channel is full to its end either way
-            (self.h2d if direction == "h2d" else self.d2h).add(start, min(last[direction], cycle))
+        their channels (:func:`transfer_intervals`). The plan's copies then go around them.
+        Call again after replacing the channels (the joint planner does)."""
+        busy = transfer_intervals(self.tl, *self.bandwidths, self.latency)
+        for direction, channel in (("d2h", self.d2h), ("h2d", self.h2d)):
+            for start, end in busy[direction]:
+                channel.add(start, end)
 
     # -------------------------------------------------------------- helpers
     def resident_candidates(self, p: int, min_bytes: int, pinned_too: bool = False) -> list[int]:

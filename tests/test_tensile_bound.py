@@ -13,7 +13,7 @@ from test_tensile_planner import EPS, bandwidths, timelines
 MB = 1 << 20
 
 
-def two_activations() -> AccessTimeline:
+def two_activations(transfers=()) -> AccessTimeline:
     """x (input) -> a (conv, 2 ms, 4 MB) -> b (relu, 0.5 ms, 4 MB) -> loss; backward makes
     two 8 MB gradients, then reads b, then a: the peak (op 4) is where both lie idle."""
     ops = [("aten.convolution", "forward", 2.0, [0, 9], [1]),
@@ -24,7 +24,7 @@ def two_activations() -> AccessTimeline:
            ("aten.threshold_backward", "backward", 0.5, [5, 2], [6]),
            ("aten.convolution_backward", "backward", 2.0, [6, 1, 9], [7])]
     sizes = {0: MB, 9: MB, 1: 4 * MB, 2: 4 * MB, 3: 4, 4: 8 * MB, 5: 8 * MB, 6: MB, 7: MB}
-    return AccessTimeline.from_ops(ops, sizes, {0: "input", 9: "param"})
+    return AccessTimeline.from_ops(ops, sizes, {0: "input", 9: "param"}, transfers=transfers)
 
 
 def test_no_excess_costs_nothing_and_the_cheapest_bytes_go_first():
@@ -50,6 +50,20 @@ def test_swaps_are_free_only_as_far_as_the_copies_can_carry_them():
     # 2 MB/s: by the peak (2.7 ms in) barely 5 KB can be out; the rebuilds pay for the rest
     slow = extra_time_bound(tl, budget, d2h_bw=2e6, h2d_bw=2e6)
     assert slow.extra_ms == pytest.approx(1.5, rel=1e-2)
+
+
+@pytest.mark.parametrize("copy", [(0, "d2h"), (4, "h2d")], ids=["out-before", "in-after"])
+def test_the_steps_own_copies_leave_swaps_only_the_rest_of_the_channel(copy):
+    """A streamed optimizer's copies (``transfers``) keep a channel busy: copying 3 GB at
+    1 TB/s from the step's start fills the device-to-host channel past the peak (2.7 ms
+    in), copying it from the peak on fills host-to-device to the step's end. Either way no
+    swap can free the peak, and the bound is the rebuilds' (as without bandwidths)."""
+    budget = int(two_activations().vanilla_curve().max()) - 6 * MB
+    op, direction = copy
+    busy = two_activations(transfers=[(op, direction, 3 * 10**9)])
+    assert extra_time_bound(two_activations(), budget, d2h_bw=1e12, h2d_bw=1e12).extra_ms == 0.0
+    assert extra_time_bound(busy, budget, d2h_bw=1e12, h2d_bw=1e12).extra_ms == \
+        pytest.approx(extra_time_bound(busy, budget).extra_ms) == pytest.approx(1.5)
 
 
 def test_an_input_kept_for_a_rebuild_frees_nothing_after_it():

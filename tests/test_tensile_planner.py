@@ -97,8 +97,11 @@ def timelines(draw):
             held_to[a] = draw(st.integers(acc[-1], n - 1))
         if acc[0] <= n_fwd and draw(st.integers(0, 3)) == 0:   # the input of a forward call
             forward_hold[a] = draw(st.integers(acc[0], n_fwd))
+    transfers = sorted((draw(st.sampled_from(bwd)), draw(st.sampled_from(("h2d", "d2h"))),
+                        draw(size)) for _ in range(draw(st.integers(0, 3))))  # a streamed optimizer's
     return AccessTimeline.from_ops(ops, sizes, roles, needed_by=needed, random_ops=random_ops,
-                                   scratch=scratch, held_to=held_to, forward_hold=forward_hold)
+                                   scratch=scratch, held_to=held_to, forward_hold=forward_hold,
+                                   transfers=transfers)
 
 
 bandwidths = st.floats(1e7, 1e11)
