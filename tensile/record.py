@@ -1,7 +1,7 @@
 """Record one training step as a task graph, with what the runtime needs to act on it.
 
 ``nimble.trace.trace_graph`` gives the same kind of graph; TENSILE's runtime needs
-three more facts, so it records its own step with the same conventions:
+more facts, so it records its own step with the same conventions:
 
 * **positions**: for every op, the storage id of each device tensor among its
   arguments and outputs, in flattening order. The runtime binds the tensors of a later
@@ -11,6 +11,9 @@ three more facts, so it records its own step with the same conventions:
   can be moved by the runtime between forward and backward;
 * **needed_by**: for each parameter, the op before which its module's forward
   pre-hook runs; that is where the runtime puts a swapped parameter back;
+* **holds**: how long Python code keeps a storage beyond its last access, and a forward
+  module call's inputs until the call returns (:attr:`Recording.held_to`,
+  :attr:`Recording.forward_hold`): the memory curves count them;
 * **anchors**: events the runtime sees without intercepting ops, in order, each with
   the number of ops done before it (:class:`Anchor`): every tensor autograd saves (pack
   hook) or unpacks (unpack hook), every module call (forward pre- and post-hook), every
@@ -357,35 +360,10 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
     for sid in rec.first_read:  # existed before the step but is none of the known objects
         roles.setdefault(sid, "other")
     first_access: dict[int, int] = {}
-    last_access: dict[int, int] = {}
     for n in rec.nodes:
         for sid in n.reads + n.writes:
             first_access.setdefault(sid, n.index)
-            last_access[sid] = n.index
-    # How long each storage the step made was really allocated: to the op before the
-    # one it was first seen gone at (the step's last op if never), where that is later
-    # than its last access. Transient ones only (made by an op, no known role).
-    held_to = {}
-    for sid, last in last_access.items():
-        end = rec.freed_before.get(sid, len(rec.nodes)) - 1
-        if end > last and sid not in roles and sid not in rec.first_read:
-            held_to[sid] = end
-    # A forward module call's inputs stay referenced by its caller until it returns: kept
-    # where that is after their last forward access (a residual block's input).
-    forward_last: dict[int, int] = {}
-    for n in rec.nodes:
-        if n.phase in ("forward", "loss"):
-            forward_last.update((sid, n.index) for sid in n.reads + n.writes)
-    call_end = {a.key[1:]: a.ops - 1 for a in anchors if a.key[0] == "post"}
-    forward_hold: dict[int, int] = {}
-    for a in anchors:
-        end = call_end.get(a.key[1:]) if a.key[0] == "pre" else None
-        if end is None or a.phase not in ("forward", "loss"):
-            continue
-        for sid in a.sids:
-            if sid in forward_last and sid not in roles and end > max(
-                    forward_last[sid], forward_hold.get(sid, -1)):
-                forward_hold[sid] = end
+    held_to, forward_hold = _holds(rec, anchors, roles)
     needed_by: dict[int, int] = {}
     named = dict(model.named_parameters())
     for sid, name in param_names.items():
@@ -404,6 +382,42 @@ def record_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Seque
                      forward_hold=forward_hold,
                      funcs=rec.funcs, anchors=anchors, boundaries=boundaries,
                      grad_nodes=grad_nodes)
+
+
+def _holds(rec: _Recorder, anchors: list[Anchor], roles: dict[int, str]
+           ) -> tuple[dict[int, int], dict[int, int]]:
+    """How long Python code held the step's transient storages beyond what their accesses
+    say: ``(held_to, forward_hold)`` (:attr:`Recording.held_to`, :attr:`Recording.forward_hold`).
+
+    ``held_to``: to the op before the one a storage was first seen gone at (the step's
+    last op if never), where that is after its last access. ``forward_hold``: a forward
+    module call's inputs stay referenced by its caller until the call returns, kept where
+    that is after their last forward access (a residual stage's input)."""
+    n_ops = len(rec.nodes)
+    last_access: dict[int, int] = {}
+    forward_last: dict[int, int] = {}
+    for n in rec.nodes:
+        for sid in n.reads + n.writes:
+            last_access[sid] = n.index
+            if n.phase in ("forward", "loss"):
+                forward_last[sid] = n.index
+    transient = {sid for sid in last_access if sid not in roles and sid not in rec.first_read}
+    held_to = {}
+    for sid in sorted(transient):
+        end = rec.freed_before.get(sid, n_ops) - 1
+        if end > last_access[sid]:
+            held_to[sid] = end
+    call_end = {a.key[1:]: a.ops - 1 for a in anchors if a.key[0] == "post"}
+    forward_hold: dict[int, int] = {}
+    for a in anchors:
+        end = call_end.get(a.key[1:]) if a.key[0] == "pre" else None
+        if end is None or a.phase not in ("forward", "loss"):
+            continue
+        for sid in a.sids:
+            if sid in transient and sid in forward_last and end > max(
+                    forward_last[sid], forward_hold.get(sid, -1)):
+                forward_hold[sid] = end
+    return held_to, forward_hold
 
 
 def _roles(rec: _Recorder, model, optimizer, batch, loss_fn):

@@ -256,8 +256,8 @@ class AccessTimeline:
         ``held_to`` maps a transient storage to the last op during which the step still
         holds it after its last access (:attr:`TensorInfo.held_to`; persistent ones are
         resident throughout anyway and ignored). ``forward_hold`` maps a transient storage
-        to the last op of a forward module call it is an input of (:attr:`TensorInfo.
-        forward_hold`: its backward gap starts after it).
+        to the last op of a forward module call it is an input of
+        (:attr:`TensorInfo.forward_hold`: its backward gap starts after it).
         """
         roles = dict(roles or {})
         n = len(ops)
