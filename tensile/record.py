@@ -401,7 +401,7 @@ def _holds(rec: _Recorder, anchors: list[Anchor], roles: dict[int, str]
             last_access[sid] = n.index
             if n.phase in ("forward", "loss"):
                 forward_last[sid] = n.index
-    transient = {sid for sid in last_access if sid not in roles and sid not in rec.first_read}
+    transient = set(last_access) - set(roles)   # roles name all that existed before the step
     held_to = {}
     for sid in sorted(transient):
         end = rec.freed_before.get(sid, n_ops) - 1
