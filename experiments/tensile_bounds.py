@@ -21,7 +21,8 @@ budget:
   a captured step needs; with swaps as the job allowed them): with a snapshot, the plan the
   GPU ran, as it priced it;
 * ``bound_ms`` / ``bound_swaps_ms``: the least any plan of rebuilds (and swaps at the
-  measured bandwidths) can add (:func:`tensile.bound.extra_time_bound`).
+  measured bandwidths, each copy and swap priced as the job's plan priced them) can add
+  (:func:`tensile.bound.extra_time_bound`).
 
 ``reachable``: whether the bound with swaps is within the allowance. Where it is not, no
 plan of TENSILE's moves reaches 1.2x at that peak in the planner's own cost model; where
@@ -41,7 +42,7 @@ from experiments.report import (EQUAL_PEAK_TARGET, earlier_in_job, equal_peak_al
                                 ok_tensile_rows, snapshot_file)
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
-from tensile.planner import plan
+from tensile.planner import COPY_LATENCY_MS, plan
 from tensile.snapshot import PlanningSnapshot
 
 __all__ = ["COLUMNS", "equal_peak_job", "bound_model", "run_bounds"]
@@ -105,17 +106,19 @@ def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
             snap = PlanningSnapshot.load(snapshot)
             tl, d2h, h2d, min_bytes, greedy = (snap.timeline, snap.d2h_bw / 1e9, snap.h2d_bw / 1e9,
                                                snap.min_bytes, snap.plan)
+            latency, swap_cost = snap.copy_latency_ms, (snap.options or {}).get("swap_cost_ms", 0.0)
             row.update(op_times="gpu", snapshot=snapshot.name)
         else:
             measured = {"step_ms": job["step_ms"], "d2h_gbps": job["d2h_gbps"], "h2d_gbps": job["h2d_gbps"]}
             tl, _, d2h, h2d = recorded_timeline(name, batch_size, measured, bn_share=job["bn_share"])
-            min_bytes = 1 << 16
+            min_bytes, latency, swap_cost = 1 << 16, COPY_LATENCY_MS, 0.0
             greedy = plan(tl, budget_bytes=job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
-                          allow_cross_iteration=False, allow_swaps=job["allow_swaps"], min_bytes=min_bytes)
+                          allow_cross_iteration=False, allow_swaps=job["allow_swaps"], min_bytes=min_bytes,
+                          copy_latency_ms=latency, swap_cost_ms=swap_cost)
             row.update(op_times="cpu", snapshot="")
         alone = extra_time_bound(tl, job["budget"], min_bytes=min_bytes)
         swapped = extra_time_bound(tl, job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
-                                   min_bytes=min_bytes)
+                                   min_bytes=min_bytes, copy_latency_ms=latency, swap_cost_ms=swap_cost)
     except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
         return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
 

@@ -10,26 +10,31 @@ activation dropped in its forward→backward gap (:meth:`AccessTimeline.backward
 rebuilt by rerunning the ops that wrote it, or swapped out and back in that gap.
 
 It solves the linear relaxation of choosing those moves. Per activation ``s`` with a gap
-``(i, j)``, ``x_s`` (rebuilt) and ``y_s`` (swapped) lie in ``[0, 1]``, ``x_s + y_s <= 1``.
-At every op ``p`` whose resident bytes without a plan exceed the budget, the moves whose
-gap spans ``p`` free at least the excess: ``sum nbytes_s (x_s + y_s) >= curve[p] - budget``.
-What is swapped out at ``p`` was copied out since the step began and goes back in before
-it ends: ``sum nbytes_s y_s <= d2h_bw * start[p]`` and ``<= h2d_bw * (T - end[p])``, each
-time less what the step's own copies keep the channel busy then (``tl.transfers``, a
-streamed optimizer's state, as the planner places them: :func:`tensile.planner.transfer_intervals`). A
-rebuild reads its inputs when backward first needs it (op ``j_s``): where an input ``u``
-is itself moved and needed later (``j_s < j_u``), it is back by then unless it is rebuilt
-once more for that rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_u <=
-x_u + y_u`` with ``w_u <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the
-earliest such ``s``). The objective is the rebuilds' rerun time, ``sum cost_s (x_s + t_s)``
-(swaps cost nothing). Every plan of the planner's moves is a solution, and a costlier one:
-its rebuilds also keep their other inputs resident (the program takes an input the step
-no longer holds, such as a residual branch's batch-norm output, as free), free memory only
-for part of the gap, and its copies share two channels with latencies and fixed windows
-(a property test checks the planner's plans against it on random timelines). So no plan
-fits ``budget`` for less than ``extra_ms``; how far the greedy plan's estimate lies above
-it is what a better planner could still win. Both are in the timeline's own op times: a
-bound on the planner's model, not a measurement.
+``(i, j)``, ``x_s`` (rebuilt: away for the whole gap) lies in ``[0, 1]``. Between two gap
+ends the activations spanning an op do not change; per such segment, at its op ``p`` of
+largest excess, ``y_sp`` says ``s`` is swapped out there, ``x_s + y_sp <= 1``, and those
+moves free at least the excess: ``sum nbytes_s (x_s + y_sp) >= curve[p] - budget``. A
+swap away at ``p`` was copied out after ``s`` was last written (``w_s``) and before ``p``
+starts, and is copied back in after ``p`` ends and before backward reads it (``j_s``),
+each copy taking ``latency + nbytes_s / bw`` on its channel, one copy at a time. So for
+any time ``L`` the copies out of those written after it fit the channel's free time in
+``[L, start[p]]``, and for any ``R`` the copies in of those read by it fit the free time in
+``[end[p], R]`` (a few such windows per row, :func:`_cut_points`): free of what the step's
+own copies keep the channel busy then (``tl.transfers``, a streamed optimizer's state, as
+the planner places them: :func:`tensile.planner.transfer_intervals`). A rebuild reads its
+inputs when backward first needs it (op ``j_s``): where an input ``u`` is itself moved and
+needed later (``j_s < j_u``), it is back by then unless it is rebuilt once more for that
+rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_up <= x_u + y_up`` with
+``w_up <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the earliest such ``s``).
+The objective is the rebuilds' rerun time and each swap's price, ``sum cost_s (x_s + t_s)
++ swap_cost * z_s`` with ``z_s >= y_sp`` (swapped at all). Every plan of the planner's moves
+is a solution, and a costlier one: its rebuilds also keep their other inputs resident (the
+program takes an input the step no longer holds, such as a residual branch's batch-norm
+output, as free), and its copies keep fixed windows (a property test checks the planner's
+priced plans against it on random timelines). So no plan fits ``budget`` for less than
+``extra_ms``; how far the greedy plan's estimate lies above it is what a better planner
+could still win. Both are in the timeline's own op times: a bound on the planner's model,
+not a measurement.
 """
 from __future__ import annotations
 
@@ -39,10 +44,12 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from .planner import _rerun_ms, _rerun_ops, transfer_intervals
+from .planner import _rerun_ms, _rerun_ops, check_swap_cost, transfer_intervals
 from .timeline import AccessTimeline
 
 __all__ = ["PlanBound", "extra_time_bound"]
+
+WINDOWS = 4   # copy windows per channel per memory row (:func:`_cut_points`)
 
 
 @dataclass(frozen=True)
@@ -61,11 +68,15 @@ class PlanBound:
 
 
 def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | None = None,
-                     h2d_bw: float | None = None, min_bytes: int = 1) -> PlanBound:
+                     h2d_bw: float | None = None, min_bytes: int = 1, copy_latency_ms: float = 0.0,
+                     swap_cost_ms: float = 0.0) -> PlanBound:
     """The least extra time (ms, the timeline's op times) that any within-iteration plan of
     rebuilds and swaps needs to keep ``tl`` at or under ``budget_bytes`` (module notes).
-    Swaps count only with both bandwidths (bytes/s) given; activations smaller than
-    ``min_bytes`` never move, as in :func:`tensile.planner.plan`."""
+    Swaps count only with both bandwidths (bytes/s) given; each copy takes
+    ``copy_latency_ms`` on its channel besides its bytes, and each swap costs
+    ``swap_cost_ms``, as :func:`tensile.planner.plan` prices them (the same arguments);
+    activations smaller than ``min_bytes`` never move, as there. With the planner's own
+    arguments, no plan it makes is priced (``est_overhead_ms``) below ``extra_ms``."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) \
             or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -73,6 +84,9 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
     for name, bw in (("d2h_bw", d2h_bw), ("h2d_bw", h2d_bw)):
         if bw is not None and not (isinstance(bw, (int, float)) and 0 < bw < float("inf")):
             raise ValueError(f"{name} must be a positive number of bytes/s or None, got {bw!r}")
+    if not (isinstance(copy_latency_ms, (int, float)) and copy_latency_ms >= 0):
+        raise ValueError(f"copy_latency_ms must be >= 0, got {copy_latency_ms!r}")
+    check_swap_cost(swap_cost_ms)
     curve = tl.vanilla_curve()
     peak = int(curve.max()) if len(curve) else 0
     excess = curve - budget_bytes
@@ -85,7 +99,8 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
     if not moves:
         return PlanBound(**{**result.__dict__, "extra_ms": None})
     return PlanBound(**{**result.__dict__,
-                        "extra_ms": _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw)})
+                        "extra_ms": _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw,
+                                                    copy_latency_ms, swap_cost_ms)})
 
 
 @dataclass(frozen=True)
@@ -129,31 +144,29 @@ def _moves(tl: AccessTimeline, min_bytes: int) -> list[_Move]:
 
 
 def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bool,
-           d2h_bw: float | None, h2d_bw: float | None) -> float | None:
+           d2h_bw: float | None, h2d_bw: float | None, latency_ms: float,
+           swap_cost_ms: float) -> float | None:
     """The linear program of the module notes; None when it has no solution."""
     n = tl.num_ops
     # Between two gap ends (and splits) the moves spanning an op do not change: one memory
-    # row per such segment (its largest excess) and one pair of bandwidth rows (its first
-    # op's start, its last op's end: the tightest of the segment's ops).
+    # row per such segment, at its op of largest excess (``p``).
     cuts = sorted({0, n} | {m.i + 1 for m in moves} | {m.j for m in moves})
     segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b and excess[a:b].max() > 0]
-    cols: dict[tuple[str, int], int] = {}
+    cols: dict[tuple, int] = {}
     cost: list[float] = []
 
-    def col(kind: str, k: int, price: float = 0.0) -> int:
-        if (kind, k) not in cols:
-            cols[(kind, k)] = len(cost)
+    def col(key: tuple, price: float = 0.0) -> int:
+        if key not in cols:
+            cols[key] = len(cost)
             cost.append(price)
-        return cols[(kind, k)]
+        return cols[key]
     for k, m in enumerate(moves):
         if m.cost is not None:
-            col("x", k, m.cost)             # rebuilt
+            col(("x", k), m.cost)           # rebuilt
+            if m.split is not None:
+                col(("t", k), m.cost)       # rebuilt once more, for its dependent alone
         if swaps:
-            col("y", k)                     # swapped
-        if m.split is not None:
-            col("w", k)                     # still away after the split
-            if m.cost is not None:
-                col("t", k, m.cost)         # rebuilt once more, for its dependent alone
+            col(("z", k), swap_cost_ms)     # swapped at all
     rows, entries, rhs = 0, ([], [], []), []
 
     def add_row(terms: list[tuple[int, float]], bound: float) -> None:
@@ -164,41 +177,57 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             entries[2].append(v)
         rhs.append(bound)
         rows += 1
-
-    def away(k: int) -> list[int]:
-        return [cols[key] for key in (("x", k), ("y", k)) if key in cols]
     T = tl.iteration_ms
     # the channels' time the step's own copies (a streamed optimizer's) leave to swaps
-    busy = transfer_intervals(tl, d2h_bw, h2d_bw, 0.0) if swaps else {"d2h": [], "h2d": []}
-    for a, b in segments:
+    busy = transfer_intervals(tl, d2h_bw, h2d_bw, latency_ms) if swaps else {"d2h": [], "h2d": []}
+    written = {k: float(tl.end[tl.last_write_at_or_before(m.sid, m.i)]) for k, m in enumerate(moves)}
+    for s, (a, b) in enumerate(segments):
+        p = a + int(np.argmax(excess[a:b]))
         freed, out = [], []
         for k, m in enumerate(moves):
             if not (m.i < a and b <= m.j):
                 continue
+            gone = [cols[("x", k)]] if ("x", k) in cols else []
+            if swaps:                       # swapped out and not yet back at p
+                y = col(("y", k, s))
+                add_row([(y, 1.0), (cols[("z", k)], -1.0)], 0.0)
+                gone.append(y)
+                out.append((k, y))
+            if len(gone) == 2:              # x + y <= 1
+                add_row([(c, 1.0) for c in gone], 1.0)
             if m.split is not None and a >= m.split:
-                freed.append((cols[("w", k)], -float(m.nbytes)))
+                w = col(("w", k, s))        # still away after the split: w <= x + y and
+                add_row([(w, 1.0)] + [(c, -1.0) for c in gone], 0.0)   # w <= 1 - x_dep + t
+                dep = [(cols[("x", m.dependent)], 1.0)] if ("x", m.dependent) in cols else []
+                again = [(cols[("t", k)], -1.0)] if ("t", k) in cols else []
+                add_row([(w, 1.0)] + dep + again, 1.0)
+                freed.append((w, -float(m.nbytes)))
             else:
-                freed += [(c, -float(m.nbytes)) for c in away(k)]
-                if ("y", k) in cols:
-                    out.append((cols[("y", k)], float(m.nbytes)))
+                freed += [(c, -float(m.nbytes)) for c in gone]
         if not freed:
             return None                     # nothing can free memory at these ops
-        add_row(freed, -float(excess[a:b].max()))    # the bytes away >= the excess
-        if out:
-            add_row(out, d2h_bw * _free_ms(busy["d2h"], 0.0, float(tl.start[a])) / 1e3)
-            add_row(out, h2d_bw * _free_ms(busy["h2d"], float(tl.end[b - 1]), T) / 1e3)
-    for k, m in enumerate(moves):
-        gone = away(k)
-        if len(gone) == 2:                  # x + y <= 1
-            add_row([(c, 1.0) for c in gone], 1.0)
-        if m.split is not None:             # w <= x + y and w <= 1 - x_dependent + t
-            add_row([(cols[("w", k)], 1.0)] + [(c, -1.0) for c in gone], 0.0)
-            dep = [(cols[("x", m.dependent)], 1.0)] if ("x", m.dependent) in cols else []
-            again = [(cols[("t", k)], -1.0)] if ("t", k) in cols else []
-            add_row([(cols[("w", k)], 1.0)] + dep + again, 1.0)
+        add_row(freed, -float(excess[p]))   # the bytes away >= the excess
+        # Away at p: copied out after it was written and before p starts, copied back in
+        # after p ends and before backward reads it. Each window's copies share a channel.
+        for since in _cut_points([written[k] for k, _ in out]):
+            add_row([(y, moves[k].nbytes + latency_ms * d2h_bw / 1e3) for k, y in out
+                     if written[k] >= since],
+                    d2h_bw * _free_ms(busy["d2h"], since, float(tl.start[p])) / 1e3)
+        for until in _cut_points([float(tl.start[moves[k].j]) for k, _ in out]):
+            add_row([(y, moves[k].nbytes + latency_ms * h2d_bw / 1e3) for k, y in out
+                     if float(tl.start[moves[k].j]) <= until],
+                    h2d_bw * _free_ms(busy["h2d"], float(tl.end[p]), until) / 1e3)
     a_ub = coo_matrix((entries[2], (entries[0], entries[1])), shape=(rows, len(cost))).tocsr()
     res = linprog(np.asarray(cost), A_ub=a_ub, b_ub=np.asarray(rhs), bounds=(0.0, 1.0), method="highs")
     return float(res.fun) if res.status == 0 else None
+
+
+def _cut_points(times: list[float], most: int = WINDOWS) -> list[float]:
+    """Up to ``most`` of ``times``, spread from the least to the greatest (each a window's
+    edge: any subset of windows gives a valid row, a few give nearly all the tightening)."""
+    ordered = sorted(set(times))
+    picks = np.unique(np.linspace(0, len(ordered) - 1, min(most, len(ordered))).round().astype(int))
+    return [ordered[i] for i in picks]
 
 
 def _free_ms(busy: list[tuple[float, float]], lo: float, hi: float) -> float:
