@@ -357,19 +357,20 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
             allow_recompute: bool, allow_cross_iteration: bool, copy_latency_ms: float,
             min_bytes: int, max_overhead: float, swap_cost_ms: float, allow_swaps: bool,
             transient: bool = True, no_swap: frozenset[int] = frozenset(),
-            pre_swaps: tuple[int, ...] = ()) -> Plan:
+            pre_swaps: tuple[int, ...] = (), swap_until: dict[int, int] | None = None) -> Plan:
     """One run of the greedy peak shaving (the module docstring); ``allow_swaps=False``:
     recomputation only; ``transient=False``: a recompute's dropped inputs are always rebuilt
     early and kept (see :meth:`PlanState.try_recompute`); ``no_swap``: storages never
     swapped (they may still be rebuilt); ``swap_cost_ms``: each swap's price (:func:`plan`);
     ``pre_swaps``: activations swapped for their whole gap before the rounds start, where
-    they fit (:meth:`PlanState.swap_whole_gap`)."""
+    they fit (:meth:`PlanState.swap_whole_gap`), each back by its op in ``swap_until`` where
+    it has one."""
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     st.transient_ok = transient
     st.no_swap = no_swap
     peak_before = int(st.mem.max()) if timeline.num_ops else 0
     for sid in pre_swaps:
-        st.swap_whole_gap(sid)
+        st.swap_whole_gap(sid, (swap_until or {}).get(sid))
     failed: set[tuple[int, int]] = set()
     while timeline.num_ops:
         p = int(np.argmax(st.mem))
@@ -508,6 +509,7 @@ class PlanState:
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
+        self.back_by: dict[int, int] = {}   # swapped activations: sid -> op it is back for
         self.reserve_transfers()
 
     def reserve_transfers(self) -> None:
@@ -552,18 +554,21 @@ class PlanState:
             return True
         return False
 
-    def swap_whole_gap(self, sid: int) -> bool:
+    def swap_whole_gap(self, sid: int, until: int | None = None) -> bool:
         """Swap activation ``sid`` for as much of its forward-to-backward gap as the channels
         allow: out as early as possible, back in just in time for its backward use (or, if
-        the H2D channel is busy then, around the current peak). False where it fits neither way."""
+        the H2D channel is busy then, around the current peak). ``until``: back by that op
+        instead, an earlier one in the gap (a rebuild there reads it). False where it fits
+        neither way."""
         tl = self.tl
         gap = tl.backward_gap(sid)
         if gap is None:
             return False
+        use = gap[1] if until is None else until
         d_in = self._durations(tl.tensors[sid].nbytes)[1]
-        just_in_time = min(tl.last_op_ending_by(float(tl.start[gap[1]]) - d_in) - 1, gap[1] - 1)
+        just_in_time = min(tl.last_op_ending_by(float(tl.start[use]) - d_in) - 1, use - 1)
         for p in (just_in_time, int(np.argmax(self.mem))):
-            placed = self._place_transient(sid, p) if gap[0] < p else None
+            placed = self._place_transient(sid, p, until) if gap[0] < p < use else None
             if placed is not None:
                 self._add_swap(*placed)
                 return True
@@ -574,19 +579,27 @@ class PlanState:
         self.d2h.add(swap.out_start_ms, swap.out_end_ms)
         self.h2d.add(swap.in_start_ms, swap.in_end_ms)
         self.swaps.append(swap)
+        if not swap.cross_iteration:
+            self.back_by[swap.sid] = swap.use_op
         self.commit(swap.sid, lo, hi)
 
     def _durations(self, nbytes: int) -> tuple[float, float]:
         return (self.latency + nbytes * self.d2h_ms_per_byte,
                 self.latency + nbytes * self.h2d_ms_per_byte)
 
-    def _place_transient(self, sid: int, p: int) -> tuple[Swap, int, int] | None:
-        """Swap an activation out in its forward→backward gap around op ``p``."""
+    def _place_transient(self, sid: int, p: int,
+                         until: int | None = None) -> tuple[Swap, int, int] | None:
+        """Swap an activation out in its forward→backward gap around op ``p``, back by its
+        backward use (or by op ``until``, earlier in the gap)."""
         tl, t = self.tl, self.tl.tensors[sid]
         gap = tl.backward_gap(sid)
         if gap is None or not gap[0] < p < gap[1]:
             return None
         i, j = gap
+        if until is not None:
+            if not p < until <= j:
+                return None
+            j = until
         w = tl.last_write_at_or_before(sid, i)
         d_out, d_in = self._durations(t.nbytes)
         # Out: as early as possible once the data is final; done before p starts.
@@ -663,7 +676,7 @@ class PlanState:
             if not p < j:
                 continue
             r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops,
-                             keep_sources=True)
+                             keep_sources=True, back_by=self.back_by)
             if r is None:
                 continue
             added = self._kept_added(r)
@@ -887,7 +900,8 @@ SCRATCH_OK = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_n
 def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
                  rebuilt: dict[int, Recompute] | None = None,
                  cache: dict[int, tuple | None] | None = None,
-                 keep_sources: bool = False) -> Recompute | None:
+                 keep_sources: bool = False,
+                 back_by: dict[int, int] | None = None) -> Recompute | None:
     """How to rebuild activation ``sid``, dropped after op ``i``, before op ``j``; None
     where the runtime cannot.
 
@@ -919,7 +933,8 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     kept = []
     for src in sources:
         s = tl.tensors[src]
-        gone = src in moved and (rebuilt is None or src not in rebuilt)
+        gone = src in moved and (rebuilt is None or src not in rebuilt) \
+            and not (back_by is not None and back_by.get(src, j + 1) <= j)
         if gone or any(prod < w <= j for w in s.writes):
             return None                   # it would not be there, unchanged, at op j
         if not s.persistent and tl.vanilla_range(src)[1] < j:   # gone before op j

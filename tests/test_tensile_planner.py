@@ -123,7 +123,7 @@ def check_plan(tl: AccessTimeline, p: Plan, max_overhead: float = 0.0) -> None:
     moved = [s.sid for s in p.swaps] + [r.sid for r in p.recomputes]
     assert len(moved) == len(set(moved)), "a tensor is planned twice"
     for s in p.swaps:
-        check_swap(tl, s)
+        check_swap(tl, s, p)
     for r in p.recomputes:
         check_recompute(tl, r, p)
     for intervals in ([(s.out_start_ms, s.out_end_ms) for s in p.swaps],
@@ -145,7 +145,7 @@ def folded(intervals: list[tuple[float, float]], cycle: float) -> list[tuple[flo
     return out
 
 
-def check_swap(tl: AccessTimeline, s: Swap) -> None:
+def check_swap(tl: AccessTimeline, s: Swap, p: Plan) -> None:
     t = tl.tensors[s.sid]
     assert t.swappable
     assert s.out_end_ms > s.out_start_ms >= tl.end[s.out_issue_op] - EPS
@@ -171,9 +171,18 @@ def check_swap(tl: AccessTimeline, s: Swap) -> None:
         assert not [a for a in t.accesses if s.release_after_op < a < s.use_op]
         last_write = max(w for w in t.writes if w <= s.release_after_op)
         assert s.out_start_ms >= tl.end[last_write] - EPS, "copied out before its last write"
-        assert s.use_op in t.accesses
+        # back for its next access, or for a rebuild before an earlier op that reads it
+        assert s.use_op in t.accesses or s.use_op in rebuilds_reading(p, s.sid)
         # dropped once its copy-out should be done: a captured step's wait for it stalls nothing
         assert tl.start[s.release_after_op + 1] >= s.out_end_ms - EPS, "released before its copy-out ends"
+
+
+def rebuilds_reading(p: Plan, sid: int) -> set[int]:
+    """The ops before which ``p`` reruns an op that reads ``sid`` (a recompute, or one
+    rebuilt for it alone)."""
+    rebuilt = {q.sid: q for q in p.recomputes}
+    return {r.before_op for r in p.recomputes
+            if any(sid in q.sources for q in [r] + [rebuilt[s] for s in r.transient])}
 
 
 def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
@@ -195,7 +204,7 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     assert r.release_after_op >= (t.forward_hold or 0), "released while forward code holds it"
     assert not [a for a in t.accesses if r.release_after_op < a < r.before_op]
     assert r.before_op <= tl.backward_gap(r.sid)[1]
-    swapped = {s.sid for s in p.swaps}
+    swapped = {s.sid: s for s in p.swaps}
     assert set(r.transient) <= set(rebuilt)   # rebuilt for r alone, dropped again after
     for q in [r] + [rebuilt[s] for s in r.transient]:
         for src in q.sources:     # every input of a rebuild at r.before_op is there then
@@ -206,7 +215,8 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
     kept_to = kept_ranges(tl, p.recomputes)
     for src in r.sources:
         st_ = tl.tensors[src]
-        assert src not in swapped, "a recompute source is swapped"
+        if src in swapped:  # copied back in for the rebuild
+            assert swapped[src].use_op <= r.before_op, "a recompute source is swapped then"
         if src in r.kept:   # done with in forward, kept (and counted) until the rebuild
             gone = tl.vanilla_range(src)[1]   # its last access, or where the step lets it go
             assert not st_.persistent and gone < r.before_op and src not in rebuilt
@@ -508,7 +518,9 @@ def test_where_workspaces_make_the_peaks_a_plan_made_without_them_may_be_cheaper
     # ResNet-50 at b=16 with its optimizer streamed, planned with the workspaces measured on
     # the H200 (78 MiB at a late backward convolution; forty-sixth session's snapshot). The
     # greedy runs shave those peaks first, with long rebuild chains; planning as if no op
-    # held one, to a budget lowered by their overshoot, meets the budget with them for less.
+    # held one, to a budget lowered by their overshoot, meets the budget with them for less
+    # (1.23 ms against the greedy runs' 1.48; 1.72 before a rebuild could read a tensor
+    # swapped back in for it).
     snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_resnet50_b16_tensile_graph_match_msr_0.671_"
                                  "copy_latency_ms_0.1_bn_from_stats_stream_optimizer_16_stream_prefetch_2_"
                                  "stream_resident_4_20261204T184344.json.gz")
@@ -519,7 +531,7 @@ def test_where_workspaces_make_the_peaks_a_plan_made_without_them_may_be_cheaper
     assert p.feasible and simulate(tl, p).peak <= budget
     monkeypatch.setattr(tensile.planner, "_plan_around_workspaces", lambda tl, b, best, options: best)
     greedy = snap.replan(budget_bytes=budget)
-    assert greedy.feasible and p.est_overhead_ms < greedy.est_overhead_ms - 0.3
+    assert greedy.feasible and p.est_overhead_ms < greedy.est_overhead_ms - 0.2
 
 
 def test_swap_out_early_and_in_late():
