@@ -434,26 +434,33 @@ class Scheduler:
         (:func:`tensile.bound.extra_time_bound` on :attr:`timeline`, the op times the
         current plan was priced with): ``bound_ms`` with rebuilds only, ``bound_swaps_ms``
         with swaps too (at the plan's bandwidths), beside the plan's own
-        ``plan_overhead_ms`` in :meth:`SchedulerReport.plan_figures`; None where no plan
-        of these moves fits. Empty without a budget (nothing to bound)."""
+        ``plan_overhead_ms`` in :meth:`SchedulerReport.plan_figures`, each copy and swap
+        priced as the planner prices them; None where no plan of these moves fits. Empty
+        without a budget (nothing to bound)."""
         if self.budget_bytes is None:
             return {}
         tl = self.timeline
         alone = extra_time_bound(tl, self.budget_bytes, min_bytes=self.min_bytes)
         swapped = extra_time_bound(tl, self.budget_bytes, d2h_bw=self.plan.d2h_bytes_per_s,
-                                   h2d_bw=self.plan.h2d_bytes_per_s, min_bytes=self.min_bytes)
+                                   h2d_bw=self.plan.h2d_bytes_per_s, min_bytes=self.min_bytes,
+                                   copy_latency_ms=self.copy_latency_ms,
+                                   swap_cost_ms=(self._planner_options() or {}).get("swap_cost_ms", 0.0))
         return {"bound_ms": alone.extra_ms, "bound_swaps_ms": swapped.extra_ms}
 
     def snapshot(self, **meta) -> PlanningSnapshot:
         """The current plan with what it was planned from (:attr:`timeline`, budget, copy
         bandwidths): :meth:`PlanningSnapshot.save` it to plan again offline, on the CPU,
         with this machine's op times. ``meta``: facts to keep with it (model, GPU, ...)."""
-        ours = isinstance(self.planner, functools.partial) and self.planner.func is make_plan
         return PlanningSnapshot(timeline=self.timeline, budget_bytes=self.budget_bytes,
                                 d2h_bw=self.d2h_bw, h2d_bw=self.h2d_bw,
                                 copy_latency_ms=self.copy_latency_ms, min_bytes=self.min_bytes,
                                 plan=self.plan, meta=dict(meta),
-                                options=dict(self.planner.keywords) if ours else None)
+                                options=self._planner_options())
+
+    def _planner_options(self) -> dict | None:
+        """The options TENSILE's planner plans with here; None for another planner."""
+        ours = isinstance(self.planner, functools.partial) and self.planner.func is make_plan
+        return dict(self.planner.keywords) if ours else None
 
     def step(self, *batch) -> torch.Tensor:
         """One training step under the current plan; returns the (detached) loss."""

@@ -38,7 +38,7 @@ not a measurement.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import linprog
@@ -57,7 +57,11 @@ class PlanBound:
     """The bound for one budget: ``extra_ms`` (None when not even every move together
     fits the budget), the budget and the peak without a plan (bytes), the activations
     that may move (``movable``, of which ``rebuildable`` can be rebuilt) and whether
-    swaps were allowed."""
+    swaps were allowed. The relaxation's own solution, where it has one: per activation,
+    how much of it is ``rebuilt`` (``x_s``) and ``swapped`` (``z_s``), and ``first_reader``:
+    ``(op, sid)`` of the first activation rebuilt from it before its own backward use (a
+    swap must be back by that op where the reader is rebuilt). A guide for a planner
+    (:func:`tensile.planner.plan`, ``swap_search="always"``), not a plan."""
 
     budget_bytes: int
     peak_bytes: int
@@ -65,6 +69,9 @@ class PlanBound:
     movable: int
     rebuildable: int
     swaps: bool
+    rebuilt: dict[int, float] = field(default_factory=dict)
+    swapped: dict[int, float] = field(default_factory=dict)
+    first_reader: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | None = None,
@@ -98,9 +105,16 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
         return result
     if not moves:
         return PlanBound(**{**result.__dict__, "extra_ms": None})
-    return PlanBound(**{**result.__dict__,
-                        "extra_ms": _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw,
-                                                    copy_latency_ms, swap_cost_ms)})
+    solved = _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw, copy_latency_ms, swap_cost_ms)
+    if solved is None:
+        return PlanBound(**{**result.__dict__, "extra_ms": None})
+    extra_ms, values = solved
+
+    def share(kind: str) -> dict[int, float]:
+        return {m.sid: float(values[(kind, k)]) for k, m in enumerate(moves) if (kind, k) in values}
+    readers = {m.sid: (m.split, moves[m.dependent].sid) for m in moves if m.split is not None}
+    return PlanBound(**{**result.__dict__, "extra_ms": extra_ms, "rebuilt": share("x"),
+                        "swapped": share("z"), "first_reader": readers})
 
 
 @dataclass(frozen=True)
@@ -145,8 +159,9 @@ def _moves(tl: AccessTimeline, min_bytes: int) -> list[_Move]:
 
 def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bool,
            d2h_bw: float | None, h2d_bw: float | None, latency_ms: float,
-           swap_cost_ms: float) -> float | None:
-    """The linear program of the module notes; None when it has no solution."""
+           swap_cost_ms: float) -> tuple[float, dict[tuple, float]] | None:
+    """The linear program of the module notes: its optimum and each variable's value (by
+    its key: ``("x", move)``, ...); None when it has no solution."""
     n = tl.num_ops
     # Between two gap ends (and splits) the moves spanning an op do not change: one memory
     # row per such segment, at its op of largest excess (``p``).
@@ -219,7 +234,9 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
                     h2d_bw * _free_ms(busy["h2d"], float(tl.end[p]), until) / 1e3)
     a_ub = coo_matrix((entries[2], (entries[0], entries[1])), shape=(rows, len(cost))).tocsr()
     res = linprog(np.asarray(cost), A_ub=a_ub, b_ub=np.asarray(rhs), bounds=(0.0, 1.0), method="highs")
-    return float(res.fun) if res.status == 0 else None
+    if res.status != 0:
+        return None
+    return float(res.fun), {key: float(res.x[c]) for key, c in cols.items()}
 
 
 def _cut_points(times: list[float], most: int = WINDOWS) -> list[float]:

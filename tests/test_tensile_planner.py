@@ -442,6 +442,38 @@ def test_swap_search_always_finds_a_cheaper_plan_where_the_budget_is_met():
     assert snap.replan(swap_search="never").same_actions(met)   # met: no search by default
 
 
+def test_the_relaxations_swaps_seed_a_plan_the_greedy_runs_and_their_search_miss():
+    # ResNet-50 at b=16 planned to checkpoint_graph's peak (the snapshot above). The bound's
+    # relaxation swaps three tensors and brings the stem's output back early, for the
+    # rebuild that reads it; greedy runs seeded with those swaps plan what the greedy runs
+    # (0.58 ms) and their search across peaks (0.48) do not: 0.46.
+    from tensile.bound import extra_time_bound
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_resnet50_b16_tensile_graph_match_peak_"
+                                 "checkpoint_graph_copy_latency_ms_0.1_bn_from_stats_20261202T094414.json.gz")
+    tl, budget = snap.timeline, snap.budget_bytes
+    bound_args = dict(d2h_bw=snap.d2h_bw, h2d_bw=snap.h2d_bw, min_bytes=snap.min_bytes,
+                      copy_latency_ms=snap.copy_latency_ms, swap_cost_ms=snap.options["swap_cost_ms"])
+    relaxed = extra_time_bound(tl, budget, **bound_args)
+    seeded = {sid for sid, z in relaxed.swapped.items() if z >= tensile.planner.GUIDE_SHARE}
+    args = (tl, budget, snap.d2h_bw, snap.h2d_bw, True, False, snap.copy_latency_ms,
+            snap.min_bytes, 0.0, snap.options["swap_cost_ms"])
+    guided = tensile.planner._guided_runs(lambda **kw: tensile.planner.keep_what_fits(tl, _greedy(*args, **kw)),
+                                          tl, budget, **bound_args)
+    assert len(guided) == 4 and seeded
+    for p in guided:
+        check_plan(tl, p)
+        assert p.feasible and p.est_overhead_ms >= relaxed.extra_ms - EPS
+        assert seeded <= {s.sid for s in p.swaps}
+        # a seeded swap is back for the rebuild that reads it, before its own backward use
+        assert any(s.use_op not in tl.tensors[s.sid].accesses and s.use_op in rebuilds_reading(p, s.sid)
+                   for s in p.swaps)
+    best = min(p.est_overhead_ms for p in guided)
+    greedy = snap.replan(swap_search="never")
+    assert greedy.feasible and best < greedy.est_overhead_ms - 0.1
+    searched = snap.replan(swap_search="always")      # the search, and the seeded runs
+    assert searched.feasible and searched.est_overhead_ms == pytest.approx(best)
+
+
 def test_a_whole_gap_swap_goes_out_after_the_last_write_and_back_just_in_time():
     tl = _simple()
     st = tensile.planner.PlanState(tl, 1e10, 1e10, 0.0)
