@@ -541,7 +541,9 @@ class PlanState:
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
-        self.back_by: dict[int, int] = {}   # swapped activations: sid -> op it is back for
+        # swapped activations: sid -> the op before which the runtime issues its copy-in
+        # (a rebuild at a later op may read it: :func:`recompute_of`)
+        self.back_by: dict[int, int] = {}
         self.reserve_transfers()
 
     def reserve_transfers(self) -> None:
@@ -596,7 +598,7 @@ class PlanState:
         gap = tl.backward_gap(sid)
         if gap is None:
             return False
-        use = gap[1] if until is None else until
+        use = gap[1] if until is None else until - 1   # as _place_transient
         d_in = self._durations(tl.tensors[sid].nbytes)[1]
         just_in_time = min(tl.last_op_ending_by(float(tl.start[use]) - d_in) - 1, use - 1)
         for p in (just_in_time, int(np.argmax(self.mem))):
@@ -612,7 +614,7 @@ class PlanState:
         self.h2d.add(swap.in_start_ms, swap.in_end_ms)
         self.swaps.append(swap)
         if not swap.cross_iteration:
-            self.back_by[swap.sid] = swap.use_op
+            self.back_by[swap.sid] = swap.in_issue_op + 1
         self.commit(swap.sid, lo, hi)
 
     def _durations(self, nbytes: int) -> tuple[float, float]:
@@ -628,10 +630,13 @@ class PlanState:
         if gap is None or not gap[0] < p < gap[1]:
             return None
         i, j = gap
+        deadline = j
         if until is not None:
-            if not p < until <= j:
+            # Back one op early: the runtime runs the copy-in's issue at its op's last hook,
+            # which may come after the reader's unpack (that starts the rebuild) at the same op.
+            if not (p < until - 1 and until <= j):
                 return None
-            j = until
+            j, deadline = until, until - 1
         w = tl.last_write_at_or_before(sid, i)
         d_out, d_in = self._durations(t.nbytes)
         # Out: as early as possible once the data is final; done before p starts.
@@ -639,7 +644,7 @@ class PlanState:
         if a is None:
             return None
         # In: as late as possible after p, done before the access that needs it.
-        c = self.h2d.latest(float(tl.end[p]), float(tl.start[j]), d_in)
+        c = self.h2d.latest(float(tl.end[p]), float(tl.start[deadline]), d_in)
         if c is None:
             return None
         k_out, k_in = tl.last_op_ending_by(a), tl.last_op_ending_by(c)
@@ -944,7 +949,9 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     updates in scratch copies. Every other input must be unmodified until op ``j`` and
     resident then: not ``moved``, or itself recomputed (in ``rebuilt``), in which case
     it is rebuilt first, by op ``j`` (the caller decides whether it then stays until its
-    own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`).
+    own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`), or
+    swapped with its copy-in issued before an op earlier than ``j`` (``back_by``: sid -> that
+    op; the runtime waits for the copy before the rebuild reads it).
     Chains of recomputes rebuild a run of layers from one kept tensor, as activation
     checkpointing does. ``keep_sources``: an input that the step reads only in forward
     and is done with before op ``j`` may be kept until then (``Recompute.kept``; the
@@ -966,7 +973,7 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     for src in sources:
         s = tl.tensors[src]
         gone = src in moved and (rebuilt is None or src not in rebuilt) \
-            and not (back_by is not None and back_by.get(src, j + 1) <= j)
+            and not (back_by is not None and back_by.get(src, j) < j)
         if gone or any(prod < w <= j for w in s.writes):
             return None                   # it would not be there, unchanged, at op j
         if not s.persistent and tl.vanilla_range(src)[1] < j:   # gone before op j
