@@ -22,9 +22,11 @@ recomputation within the allowance lowers the current peak. Where recomputation 
 the rounds run four times (swaps first or not; a recompute's dropped inputs rebuilt for it
 alone or not), and twice more with swaps of everything but what the best plan without swaps
 rebuilds from, and the best plan is kept (:func:`plan`). Where a budget is out of every
-run's reach and recomputation alone came closest, a short search then swaps one tensor at a
-time across the peak before the rounds (:func:`_swap_across_peaks`). ``max_overhead=0`` (the default)
-minimises the peak at (simulated) zero extra time, as TENSILE does; a small allowance buys
+run's reach, a short search then swaps one tensor at a
+time across the peak before the rounds (:func:`_swap_across_peaks`); where the budget is
+still unmet, the rounds run once more seeded with the swaps of the relaxation that
+:mod:`tensile.bound` solves (:func:`_guided_runs`). ``swap_search="always"`` runs both where
+the budget is met, too, for a cheaper plan. ``max_overhead=0`` (the default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small allowance buys
 much more: recomputing cheap activations (batch norm and ReLU outputs)
 frees memory that copies could not move in time. Each direction is one channel whose busy
 intervals never overlap; the step's own copies (a streamed optimizer's state,
@@ -91,9 +93,11 @@ def plan(
     as TENSILE prices them.
     ``swap_search``: when to search for swaps across the plan's peak after the greedy runs
     (:func:`_swap_across_peaks`): ``"unmet"`` (default) where the budget is out of every
-    run's reach and recomputation alone came closest; ``"always"`` also where a plan meets
+    run's reach; ``"always"`` also where a plan meets
     it, for a cheaper one (each try is a whole greedy run: seconds on ResNet-50, about half
-    a minute on Inception-v4, on a laptop); ``"never"``.
+    a minute on Inception-v4, on a laptop); ``"never"``. The same setting runs the greedy
+    rounds seeded with the swaps of the bound's relaxation (:func:`_guided_runs`): where
+    ``"always"``, and where ``"unmet"`` and no plan so far meets the budget.
     Every peak counts the workspaces ops hold while they run (``timeline.scratch``); with a
     budget, where they exist and the plan moves anything, the timeline is also planned as if
     they did not, to lower budgets, and the plan that ranks best with them is kept
@@ -187,20 +191,21 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
             runs += [run(allow_swaps=True, transient=t, no_swap=keep) for t in (True, False)]
     # The best: feasible, then the lower peak, then less extra time (swaps priced in).
     best = min(runs, key=lambda r: _rank(r, budget_bytes))
-    unmet = not best.feasible and not best.swaps
     if allow_swaps and allow_recompute and best.recomputes and (
-            swap_search == "always" or (swap_search == "unmet" and unmet)):
-        # Where the budget is out of reach and recomputation alone got closest, its own
-        # peak may be a rebuild's: a tensor rebuilt in backward with the chain of inputs it
-        # needs (ResNet-50's first stage, 171 MB rebuilt at once for one 49 MB tensor).
-        # Swapping a tensor across that peak, out in forward and back just in time, and
-        # planning the rest by recomputation can reach lower than either alone (ResNet-50
-        # at b=16 on the H200: 540 -> 492 MB, a snapshot of the forty-third session). Where
-        # the budget is met, the same search may find a cheaper plan (ResNet-50 at
+            swap_search == "always" or (swap_search == "unmet" and not best.feasible)):
+        # Where the budget is out of reach, the plan's own peak may be a rebuild's: a
+        # tensor rebuilt in backward with the chain of inputs it needs (ResNet-50's first
+        # stage, 171 MB rebuilt at once for one 49 MB tensor). Swapping a tensor across
+        # that peak, out in forward and back just in time, and planning the rest by
+        # recomputation can reach lower than either alone (ResNet-50 at b=16 on the H200:
+        # 540 -> 492 MB, a snapshot of the forty-third session; VGG-16 at the authors' MSR,
+        # where the runs that swap first came closest: 2214 -> 2189 MiB, within its budget).
+        # Where the budget is met, the same search may find a cheaper plan (ResNet-50 at
         # checkpointing's peak: 0.576 -> 0.477 ms priced), but each try is a whole greedy
         # run (about a second on Inception-v4): only with swap_search="always".
         best = _swap_across_peaks(run, timeline, best, budget_bytes, min_bytes)
-    if allow_swaps and allow_recompute and budget_bytes is not None and swap_search == "always":
+    if allow_swaps and allow_recompute and budget_bytes is not None and (
+            swap_search == "always" or (swap_search == "unmet" and not best.feasible)):
         guided = _guided_runs(run, timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
                               min_bytes=min_bytes, copy_latency_ms=copy_latency_ms,
                               swap_cost_ms=swap_cost_ms)

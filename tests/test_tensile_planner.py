@@ -428,6 +428,22 @@ def test_a_swap_across_a_rebuilds_peak_reaches_budgets_recomputation_alone_canno
     assert snap.replan(budget_bytes=int(516.7 * MB), swap_search="never").peak_after > 539 * MB
 
 
+def test_the_search_across_peaks_runs_where_swapping_first_came_closest_too():
+    # VGG-16 at b=16 planned to the TENSILE authors' MSR with Adam's state streamed (an
+    # H200 job, a64a8d3): the greedy runs that swap first get closest (2214 MiB) and miss
+    # the budget (2191 MiB); the search, once run only where recomputation alone came
+    # closest, meets it with one swap across the peak.
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_vgg16_b16_tensile_graph_match_msr_0.326_"
+                                 "copy_latency_ms_0.1_bn_from_stats_stream_optimizer_16_stream_prefetch_2_"
+                                 "stream_resident_4_20261204T163947.json.gz")
+    greedy = snap.replan(swap_search="never")
+    assert not greedy.feasible and greedy.swaps
+    p = snap.replan()
+    check_plan(snap.timeline, p)
+    assert p.feasible and simulate(snap.timeline, p).peak <= snap.budget_bytes
+    assert 1 <= len(p.swaps) <= tensile.planner.SWAP_SEARCH_ROUNDS
+
+
 def test_swap_search_always_finds_a_cheaper_plan_where_the_budget_is_met():
     # ResNet-50 at b=16 planned to checkpoint_graph's peak (an H200 job, twenty-sixth
     # session's snapshot): the greedy runs meet the budget; searching anyway finds a plan
