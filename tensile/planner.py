@@ -213,31 +213,38 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
     return best
 
 
-# :func:`_guided_runs` swaps what the relaxation swaps at least this much of.
-GUIDE_SHARE = 0.5
+# :func:`_guided_runs`: seeded with what the relaxation swaps at least this much of, each
+# share in turn (a greedy run's copies pack the channel less tightly than the relaxation's:
+# with fewer seeds, those left can be back in time more often).
+GUIDE_SHARES = (0.5, 0.9)
 
 
 def _guided_runs(run, tl: AccessTimeline, budget_bytes: int, **bound_args) -> list[Plan]:
     """Greedy runs that first swap what the linear relaxation of the bound swaps
-    (:func:`tensile.bound.extra_time_bound`, at least :data:`GUIDE_SHARE` of a tensor),
-    each back by the first rebuild that reads it where the relaxation rebuilds that reader,
-    then plan the rest (with further swaps or not; a recompute's dropped inputs rebuilt for
-    it alone or not). The greedy rounds shave the peak of the moment, and a tensor swapped
-    early there keeps the rebuilds that read it out of reach; the relaxation weighs every
-    peak at once. Inception-v4 at checkpointing's peak on the H200 (a snapshot of
-    2026-12-02, b=16): it swaps the stem's 15 largest outputs (297 MiB) and rebuilds
-    the rest, priced 0.88 ms where the greedy runs price 1.59; seeded with those swaps,
-    a greedy run plans it for 1.13. Empty where the relaxation swaps nothing."""
+    (:func:`tensile.bound.extra_time_bound`, at least a share in :data:`GUIDE_SHARES` of a
+    tensor), each back by the first rebuild that reads it where the relaxation rebuilds
+    that reader, then plan the rest (with further swaps or not; a recompute's dropped
+    inputs rebuilt for it alone or not). The greedy rounds shave the peak of the moment,
+    and a tensor swapped early there keeps the rebuilds that read it out of reach; the
+    relaxation weighs every peak at once. Inception-v4 at checkpointing's peak on the H200
+    (a snapshot of 2026-12-02, b=16): the relaxation swaps the stem's largest outputs and
+    rebuilds the rest, priced 0.88 ms where the greedy runs price 1.59; seeded with the 13
+    it swaps nearly whole, a greedy run plans it for 0.93. Empty where the relaxation
+    swaps nothing."""
     from .bound import extra_time_bound   # the bound builds on this module's rebuilds
     relaxed = extra_time_bound(tl, budget_bytes, **bound_args)
-    pre = sorted((sid for sid, z in relaxed.swapped.items() if z >= GUIDE_SHARE),
-                 key=lambda sid: (tl.backward_gap(sid)[0], sid))
-    if not pre:
-        return []
-    until = {sid: op for sid, (op, reader) in relaxed.first_reader.items()
-             if sid in pre and relaxed.rebuilt.get(reader, 0.0) >= GUIDE_SHARE}
-    return [run(allow_swaps=swaps, transient=transient, pre_swaps=tuple(pre), swap_until=until)
-            for swaps in (False, True) for transient in (True, False)]
+    runs, seen = [], set()
+    for share in GUIDE_SHARES:
+        pre = tuple(sorted((sid for sid, z in relaxed.swapped.items() if z >= share),
+                           key=lambda sid: (tl.backward_gap(sid)[0], sid)))
+        if not pre or pre in seen:
+            continue
+        seen.add(pre)
+        until = {sid: op for sid, (op, reader) in relaxed.first_reader.items()
+                 if sid in pre and relaxed.rebuilt.get(reader, 0.0) >= share}
+        runs += [run(allow_swaps=swaps, transient=transient, pre_swaps=pre, swap_until=until)
+                 for swaps in (False, True) for transient in (True, False)]
+    return runs
 
 
 # The search of :func:`_swap_across_peaks`: at most this many rounds, each trying this many
@@ -719,7 +726,7 @@ class PlanState:
                 continue
             r = recompute_of(tl, sid, gap[0], j, self.moved, self.rebuilt, self.rerun_ops,
                              keep_sources=True, back_by=self.back_by)
-            if r is None:
+            if r is None or not self._swaps_back_for(r):
                 continue
             added = self._kept_added(r)
             net = r.nbytes - sum(nb for _, lo, hi, nb in added if lo <= p <= hi)
@@ -910,6 +917,17 @@ class PlanState:
                 found[q.sid] = q
                 todo.extend(q.sources)
         return list(found.values())
+
+    def _swaps_back_for(self, r: Recompute) -> bool:
+        """Are the swapped tensors that ``r``'s rebuild reads back by its ``before_op``, those
+        read by the recomputes rebuilt with it (:meth:`_not_back_by`) included? Each copy-in
+        must be issued before an earlier op (``back_by``, :func:`recompute_of`)."""
+        for q in [r] + self._not_back_by(r):
+            for src in q.sources:
+                if src in self.back_by and src not in self.rebuilt \
+                        and self.back_by[src] >= r.before_op:
+                    return False
+        return True
 
     def _chain_ms(self, q: Recompute) -> float:
         """The time of ``q``'s own rerun ops (its producer and in-place updates)."""

