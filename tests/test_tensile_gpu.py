@@ -567,6 +567,35 @@ def test_chained_recomputes_train_like_eager_on_gpu_eager_and_captured(ahead):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
+def test_a_rebuild_reading_a_tensor_swapped_back_for_it_trains_like_eager_on_gpu_eager_and_captured():
+    """A rebuild that reads a tensor the plan swapped out, copied back in before the
+    rebuild's op (earlier than the tensor's own backward use, as the planner now plans
+    them): the compute stream waits for that copy-in before the rebuild reads it, eager
+    and captured, and the step trains as eager does, with no passive swap-in."""
+    from test_tensile_runtime import with_a_rebuild_source_swapped
+    from tensile.planner import plan as make_plan
+
+    def planner(tl, **kw):   # recomputation only (slow copies), then the one swap
+        return with_a_rebuild_source_swapped(tl, make_plan(tl, **{**kw, "d2h_bw": 1e3, "h2d_bw": 1e3},
+                                                            allow_cross_iteration=False))
+    data = batches(8)
+    m0, o0 = _eager(data, 32, make_cuda_resnet)
+    kwargs = dict(budget=1, replan=False, allow_cross_iteration=False, planner=planner)
+    model = make_cuda_resnet(32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, **kwargs)
+    for b in data:
+        sched.step(*b)
+    rep = sched.report()
+    assert len(sched.plan.swaps) == 1 and sched.plan.recomputes
+    assert rep.swap_ins == len(data) and rep.passive_swap_ins == 0 and rep.ineffective_releases == 0
+    for a, b in zip(states(m0, o0), states(model, opt)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    m1, o1, _, _ = _captured_tensile(data, 32, make_cuda_resnet, **kwargs)
+    for a, b in zip(states(m0, o0), states(m1, o1)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.usefixtures("strict_fp32")   # TF32 rounds a recompute's 1-ulp difference up to 1e-3
 def test_batch_norm_from_stats_trains_like_eager_within_rounding_on_gpu(monkeypatch):
     """``batch_norm_from_stats``: the plan's batch norms rebuilt from their statistics on CUDA

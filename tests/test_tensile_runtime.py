@@ -861,11 +861,31 @@ def test_a_budgeted_scheduler_says_how_little_any_plan_could_cost():
     assert free.bound() == {}
 
 
+def with_a_rebuild_source_swapped(tl, p: Plan) -> Plan:
+    """``p`` with one more swap: of a tensor that a rebuild of ``p`` reads and ``p`` keeps,
+    from its last forward read until its copy-in, issued two ops before that rebuild,
+    which is before the tensor's own backward use (``Swap.use_op``: the rebuild's op)."""
+    from tensile.plan import Swap
+    rebuilt = {r.sid for r in p.recomputes}
+    once = [r for r in p.recomputes if not any(r.sid in q.transient for q in p.recomputes)]
+    r, u = next((r, u) for r in once for u in r.sources
+                if u not in rebuilt and u not in r.kept and not tl.tensors[u].persistent
+                and tl.tensors[u].swappable and tl.backward_gap(u) is not None
+                and tl.backward_gap(u)[0] < r.before_op - 2
+                and r.before_op < tl.backward_gap(u)[1])
+    i, _ = tl.backward_gap(u)
+    w, k = tl.last_write_at_or_before(u, i), r.before_op - 2
+    p.swaps.append(Swap(sid=u, nbytes=tl.tensors[u].nbytes, cross_iteration=False,
+                        out_issue_op=w, out_start_ms=float(tl.end[w]), out_end_ms=float(tl.end[w]),
+                        release_after_op=i, in_issue_op=k, in_start_ms=float(tl.end[k]),
+                        in_end_ms=float(tl.end[k]), use_op=r.before_op))
+    return p
+
+
 def test_a_rebuild_reads_an_activation_swapped_back_in_for_it_and_trains_bit_identically():
     """A plan may swap out a tensor that a rebuild reads (``Swap.use_op``: that rebuild's
     op, before the tensor's own backward use): the copy-in issued before it has the bytes
     there, and training is unchanged."""
-    from tensile.plan import Swap
     torch.manual_seed(0)
     steps, ce = 4, nn.functional.cross_entropy
     data = batches(steps)
@@ -882,25 +902,8 @@ def test_a_rebuild_reads_an_activation_swapped_back_in_for_it_and_trains_bit_ide
             states.append(state_tensors(model, opt))
             continue
         tl = rec.timeline(estimate_op_times(rec.graph, 1e10, 1e10))
-        p = make_plan(tl, budget_bytes=1, d2h_bw=1e3, h2d_bw=1e3, copy_latency_ms=0.0,
-                      allow_cross_iteration=False)
-        rebuilt = {r.sid for r in p.recomputes}
-        once = [r for r in p.recomputes if not any(r.sid in q.transient for q in p.recomputes)]
-        # a source of a rebuild that the plan keeps: swap it from its last forward read
-        # until two ops before that rebuild, which is before its own backward use
-        pick = next((r, u) for r in once for u in r.sources
-                    if u not in rebuilt and u not in r.kept and not tl.tensors[u].persistent
-                    and tl.tensors[u].swappable and tl.backward_gap(u) is not None
-                    and tl.backward_gap(u)[0] < r.before_op - 2
-                    and r.before_op < tl.backward_gap(u)[1])
-        r, u = pick
-        i, _ = tl.backward_gap(u)
-        w = tl.last_write_at_or_before(u, i)
-        p.swaps.append(Swap(sid=u, nbytes=tl.tensors[u].nbytes, cross_iteration=False,
-                            out_issue_op=w, out_start_ms=float(tl.end[w]), out_end_ms=float(tl.end[w]),
-                            release_after_op=i, in_issue_op=r.before_op - 2,
-                            in_start_ms=float(tl.end[r.before_op - 2]),
-                            in_end_ms=float(tl.end[r.before_op - 2]), use_op=r.before_op))
+        p = with_a_rebuild_source_swapped(tl, make_plan(
+            tl, budget_bytes=1, d2h_bw=1e3, h2d_bw=1e3, copy_latency_ms=0.0, allow_cross_iteration=False))
         runner = PlanRunner(rec, model, opt, ce, p, simulate=True)
         torch.manual_seed(0)
         for b in data:
