@@ -259,8 +259,9 @@ class Scheduler:
     scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
     ``swap_search`` (local planning): ``"always"`` also searches for swaps across the plan's
-    peak where the budget is met, for a cheaper plan (seconds to a minute of planning more);
-    ``"unmet"`` (default) only where no plan meets it; ``"never"``
+    peak, and plans again seeded with the swaps of the bound's relaxation, where the budget
+    is met, for a cheaper plan (seconds to a few minutes of planning more); ``"unmet"``
+    (default) only where no plan meets it; ``"never"``
     (:func:`tensile.planner.plan`).
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8
     samples of the example batch, not on all of it, and scale the recording to the
