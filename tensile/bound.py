@@ -12,8 +12,9 @@ rebuilt by rerunning the ops that wrote it, or swapped out and back in that gap.
 It solves the linear relaxation of choosing those moves. Per activation ``s`` with a gap
 ``(i, j)``, ``x_s`` (rebuilt: away for the whole gap) lies in ``[0, 1]``. Between two gap
 ends the activations spanning an op do not change; per such segment, at its op ``p`` of
-largest excess, ``y_sp`` says ``s`` is swapped out there, ``x_s + y_sp <= 1``, and those
-moves free at least the excess: ``sum nbytes_s (x_s + y_sp) >= curve[p] - budget``. A
+largest excess, ``y_sp`` says ``s`` is swapped out there (``y_sp <= z_s``: swapped at
+all; ``x_s + z_s <= 1``: a tensor is rebuilt or swapped, not both), and those moves free
+at least the excess: ``sum nbytes_s (x_s + y_sp) >= curve[p] - budget``. A
 swap away at ``p`` was copied out after ``s`` was last written (``w_s``) and before ``p``
 starts, and is copied back in after ``p`` ends and before backward reads it (``j_s``),
 each copy taking ``latency + nbytes_s / bw`` on its channel, one copy at a time. So for
@@ -27,7 +28,7 @@ needed later (``j_s < j_u``), it is back by then unless it is rebuilt once more 
 rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_up <= x_u + y_up`` with
 ``w_up <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the earliest such ``s``).
 The objective is the rebuilds' rerun time and each swap's price, ``sum cost_s (x_s + t_s)
-+ swap_cost * z_s`` with ``z_s >= y_sp`` (swapped at all). Every plan of the planner's moves
++ swap_cost * z_s``. Every plan of the planner's moves
 is a solution, and a costlier one: its rebuilds also keep their other inputs resident (the
 program takes an input the step no longer holds, such as a residual branch's batch-norm
 output, as free), and its copies keep fixed windows (a property test checks the planner's
@@ -175,13 +176,6 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             cols[key] = len(cost)
             cost.append(price)
         return cols[key]
-    for k, m in enumerate(moves):
-        if m.cost is not None:
-            col(("x", k), m.cost)           # rebuilt
-            if m.split is not None:
-                col(("t", k), m.cost)       # rebuilt once more, for its dependent alone
-        if swaps:
-            col(("z", k), swap_cost_ms)     # swapped at all
     rows, entries, rhs = 0, ([], [], []), []
 
     def add_row(terms: list[tuple[int, float]], bound: float) -> None:
@@ -192,6 +186,15 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             entries[2].append(v)
         rhs.append(bound)
         rows += 1
+    for k, m in enumerate(moves):
+        if m.cost is not None:
+            col(("x", k), m.cost)           # rebuilt
+            if m.split is not None:
+                col(("t", k), m.cost)       # rebuilt once more, for its dependent alone
+        if swaps:
+            col(("z", k), swap_cost_ms)     # swapped at all
+            if ("x", k) in cols:            # x + z <= 1: a tensor moves one way
+                add_row([(cols[("x", k)], 1.0), (cols[("z", k)], 1.0)], 1.0)
     T = tl.iteration_ms
     # the channels' time the step's own copies (a streamed optimizer's) leave to swaps
     busy = transfer_intervals(tl, d2h_bw, h2d_bw, latency_ms) if swaps else {"d2h": [], "h2d": []}
@@ -208,8 +211,6 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
                 add_row([(y, 1.0), (cols[("z", k)], -1.0)], 0.0)
                 gone.append(y)
                 out.append((k, y))
-            if len(gone) == 2:              # x + y <= 1
-                add_row([(c, 1.0) for c in gone], 1.0)
             if m.split is not None and a >= m.split:
                 w = col(("w", k, s))        # still away after the split: w <= x + y and
                 add_row([(w, 1.0)] + [(c, -1.0) for c in gone], 0.0)   # w <= 1 - x_dep + t
