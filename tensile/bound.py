@@ -45,7 +45,7 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from .planner import _rerun_ms, _rerun_ops, check_swap_cost, transfer_intervals
+from .planner import _rerun_ms, _rerun_ops, check_copy_latency, check_swap_cost, transfer_intervals
 from .timeline import AccessTimeline
 
 __all__ = ["PlanBound", "extra_time_bound"]
@@ -62,7 +62,7 @@ class PlanBound:
     how much of it is ``rebuilt`` (``x_s``) and ``swapped`` (``z_s``), and ``first_reader``:
     ``(op, sid)`` of the first activation rebuilt from it before its own backward use (a
     swap must be back by that op where the reader is rebuilt). A guide for a planner
-    (:func:`tensile.planner.plan`, ``swap_search="always"``), not a plan."""
+    (:func:`tensile.planner.plan`'s seeded runs), not a plan."""
 
     budget_bytes: int
     peak_bytes: int
@@ -92,8 +92,7 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
     for name, bw in (("d2h_bw", d2h_bw), ("h2d_bw", h2d_bw)):
         if bw is not None and not (isinstance(bw, (int, float)) and 0 < bw < float("inf")):
             raise ValueError(f"{name} must be a positive number of bytes/s or None, got {bw!r}")
-    if not (isinstance(copy_latency_ms, (int, float)) and copy_latency_ms >= 0):
-        raise ValueError(f"copy_latency_ms must be >= 0, got {copy_latency_ms!r}")
+    check_copy_latency(copy_latency_ms)
     check_swap_cost(swap_cost_ms)
     curve = tl.vanilla_curve()
     peak = int(curve.max()) if len(curve) else 0
@@ -195,7 +194,6 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             col(("z", k), swap_cost_ms)     # swapped at all
             if ("x", k) in cols:            # x + z <= 1: a tensor moves one way
                 add_row([(cols[("x", k)], 1.0), (cols[("z", k)], 1.0)], 1.0)
-    T = tl.iteration_ms
     # the channels' time the step's own copies (a streamed optimizer's) leave to swaps
     busy = transfer_intervals(tl, d2h_bw, h2d_bw, latency_ms) if swaps else {"d2h": [], "h2d": []}
     written = {k: float(tl.end[tl.last_write_at_or_before(m.sid, m.i)]) for k, m in enumerate(moves)}

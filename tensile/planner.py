@@ -22,16 +22,17 @@ recomputation within the allowance lowers the current peak. Where recomputation 
 the rounds run four times (swaps first or not; a recompute's dropped inputs rebuilt for it
 alone or not), and twice more with swaps of everything but what the best plan without swaps
 rebuilds from, and the best plan is kept (:func:`plan`). Where a budget is out of every
-run's reach, a short search then swaps one tensor at a
-time across the peak before the rounds (:func:`_swap_across_peaks`); where the budget is
-still unmet, the rounds run once more seeded with the swaps of the relaxation that
-:mod:`tensile.bound` solves (:func:`_guided_runs`). ``swap_search="always"`` runs both where
-the budget is met, too, for a cheaper plan. ``max_overhead=0`` (the default) minimises the peak at (simulated) zero extra time, as TENSILE does; a small allowance buys
-much more: recomputing cheap activations (batch norm and ReLU outputs)
-frees memory that copies could not move in time. Each direction is one channel whose busy
-intervals never overlap; the step's own copies (a streamed optimizer's state,
-``AccessTimeline.transfers``) hold their intervals before any swap is placed. Failed placements are remembered per (tensor, peak op): channels
-only fill up, so a copy that did not fit once never fits later.
+run's reach, a short search then swaps one tensor at a time across the peak before the
+rounds (:func:`_swap_across_peaks`); where the budget is still unmet, the rounds run once
+more seeded with the swaps of the relaxation that :mod:`tensile.bound` solves
+(:func:`_guided_runs`). ``swap_search="always"`` runs both where the budget is met, too, for
+a cheaper plan. ``max_overhead=0`` (the default) minimises the peak at (simulated) zero
+extra time, as TENSILE does; a small allowance buys much more: recomputing cheap
+activations (batch norm and ReLU outputs) frees memory that copies could not move in time.
+Each direction is one channel whose busy intervals never overlap; the step's own copies (a
+streamed optimizer's state, ``AccessTimeline.transfers``) hold their intervals before any
+swap is placed. Failed placements are remembered per (tensor, peak op): channels only fill
+up, so a copy that did not fit once never fits later.
 """
 from __future__ import annotations
 
@@ -191,8 +192,11 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
             runs += [run(allow_swaps=True, transient=t, no_swap=keep) for t in (True, False)]
     # The best: feasible, then the lower peak, then less extra time (swaps priced in).
     best = min(runs, key=lambda r: _rank(r, budget_bytes))
-    if allow_swaps and allow_recompute and best.recomputes and (
-            swap_search == "always" or (swap_search == "unmet" and not best.feasible)):
+
+    def searching(p: Plan) -> bool:   # swap_search's rule for the search and seeded runs
+        return allow_swaps and allow_recompute and (
+            swap_search == "always" or (swap_search == "unmet" and not p.feasible))
+    if searching(best) and best.recomputes:
         # Where the budget is out of reach, the plan's own peak may be a rebuild's: a
         # tensor rebuilt in backward with the chain of inputs it needs (ResNet-50's first
         # stage, 171 MB rebuilt at once for one 49 MB tensor). Swapping a tensor across
@@ -204,8 +208,7 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
         # checkpointing's peak: 0.576 -> 0.477 ms priced), but each try is a whole greedy
         # run (about a second on Inception-v4): only with swap_search="always".
         best = _swap_across_peaks(run, timeline, best, budget_bytes, min_bytes)
-    if allow_swaps and allow_recompute and budget_bytes is not None and (
-            swap_search == "always" or (swap_search == "unmet" and not best.feasible)):
+    if searching(best) and budget_bytes is not None:
         guided = _guided_runs(run, timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
                               min_bytes=min_bytes, copy_latency_ms=copy_latency_ms,
                               swap_cost_ms=swap_cost_ms)
@@ -922,12 +925,8 @@ class PlanState:
         """Are the swapped tensors that ``r``'s rebuild reads back by its ``before_op``, those
         read by the recomputes rebuilt with it (:meth:`_not_back_by`) included? Each copy-in
         must be issued before an earlier op (``back_by``, :func:`recompute_of`)."""
-        for q in [r] + self._not_back_by(r):
-            for src in q.sources:
-                if src in self.back_by and src not in self.rebuilt \
-                        and self.back_by[src] >= r.before_op:
-                    return False
-        return True
+        return all(self.back_by[src] < r.before_op for q in [r] + self._not_back_by(r)
+                   for src in q.sources if src in self.back_by)
 
     def _chain_ms(self, q: Recompute) -> float:
         """The time of ``q``'s own rerun ops (its producer and in-place updates)."""
@@ -1057,6 +1056,11 @@ def check_max_overhead(max_overhead) -> None:
                          f"got {max_overhead!r}")
 
 
+def check_copy_latency(latency) -> None:
+    if not (isinstance(latency, (int, float)) and latency >= 0):
+        raise ValueError(f"copy_latency_ms must be >= 0, got {latency!r}")
+
+
 def check_plan_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, np.integer))
                                or budget <= 0):
@@ -1064,7 +1068,6 @@ def check_plan_args(budget, d2h_bw, h2d_bw, latency, min_bytes) -> None:
     for name, bw in (("d2h_bw", d2h_bw), ("h2d_bw", h2d_bw)):
         if not (isinstance(bw, (int, float)) and bw > 0 and np.isfinite(bw)):
             raise ValueError(f"{name} must be a positive number of bytes/s, got {bw!r}")
-    if not (isinstance(latency, (int, float)) and latency >= 0):
-        raise ValueError(f"copy_latency_ms must be >= 0, got {latency!r}")
+    check_copy_latency(latency)
     if not isinstance(min_bytes, (int, np.integer)) or min_bytes < 1:
         raise ValueError(f"min_bytes must be an int >= 1, got {min_bytes!r}")
