@@ -40,7 +40,7 @@ from nimble.trace import StorageDependencies, estimate_flops, mutated_args
 
 from .step import split_batch, training_step
 from .streamed import streamed_of
-from .timeline import AccessTimeline
+from .timeline import FORWARD_PHASES, AccessTimeline
 
 __all__ = ["Anchor", "Recording", "record_step", "autograd_nodes", "device_tensors", "is_counted",
            "op_name"]
@@ -399,7 +399,7 @@ def _holds(rec: _Recorder, anchors: list[Anchor], roles: dict[int, str]
     for n in rec.nodes:
         for sid in n.reads + n.writes:
             last_access[sid] = n.index
-            if n.phase in ("forward", "loss"):
+            if n.phase in FORWARD_PHASES:
                 forward_last[sid] = n.index
     transient = set(last_access) - set(roles)   # roles name all that existed before the step
     held_to = {}
@@ -411,7 +411,7 @@ def _holds(rec: _Recorder, anchors: list[Anchor], roles: dict[int, str]
     forward_hold: dict[int, int] = {}
     for a in anchors:
         end = call_end.get(a.key[1:]) if a.key[0] == "pre" else None
-        if end is None or a.phase not in ("forward", "loss"):
+        if end is None or a.phase not in FORWARD_PHASES:
             continue
         for sid in a.sids:
             if sid in transient and sid in forward_last and end > max(
