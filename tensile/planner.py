@@ -22,13 +22,14 @@ recomputation within the allowance lowers the current peak. Where recomputation 
 the rounds run four times (swaps first or not; a recompute's dropped inputs rebuilt for it
 alone or not), and twice more with swaps of everything but what the best plan without swaps
 rebuilds from, and the best plan is kept (:func:`plan`). Where a budget is out of every
-run's reach, a short search then swaps one tensor at a time across the peak before the
-rounds (:func:`_swap_across_peaks`); where the budget is still unmet, the rounds run once
-more seeded with the swaps of the relaxation that :mod:`tensile.bound` solves
-(:func:`_guided_runs`). ``swap_search="always"`` runs both where the budget is met, too, for
-a cheaper plan. ``max_overhead=0`` (the default) minimises the peak at (simulated) zero
-extra time, as TENSILE does; a small allowance buys much more: recomputing cheap
-activations (batch norm and ReLU outputs) frees memory that copies could not move in time.
+run's reach, the rounds run once more seeded with the swaps of the relaxation that
+:mod:`tensile.bound` solves (:func:`_guided_runs`); where it is still unmet, a local search
+adds or drops one swapped tensor at a time before the rounds, from no swaps and from the
+relaxation's (:func:`_swap_search`). ``swap_search="always"`` runs both where the budget
+is met, too, for a cheaper plan. ``max_overhead=0`` (the default) minimises the peak at
+(simulated) zero extra time, as TENSILE does; a small allowance buys much more:
+recomputing cheap activations (batch norm and ReLU outputs) frees memory that copies
+could not move in time.
 Each direction is one channel whose busy intervals never overlap; the step's own copies (a
 streamed optimizer's state, ``AccessTimeline.transfers``) hold their intervals before any
 swap is placed. Failed placements are remembered per (tensor, peak op): channels only fill
@@ -39,12 +40,16 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .plan import Plan, Recompute, Swap
 from .simulate import kept_ranges, simulate
 from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
+
+if TYPE_CHECKING:   # the bound builds on this module's rebuilds
+    from .bound import PlanBound
 
 __all__ = ["plan", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS"]
 
@@ -92,17 +97,13 @@ def plan(
     step's joins: :data:`CAPTURED_SWAP_COST_MS`); it counts in the plan's estimated extra
     time, so the plan kept is the cheapest with it. 0 (default): swaps are free once hidden,
     as TENSILE prices them.
-    ``swap_search``: when to search for swaps across the plan's peak after the greedy runs
-    (:func:`_swap_across_peaks`): ``"unmet"`` (default) where the budget is out of every
-    run's reach; ``"always"`` also where a plan meets
-    it, for a cheaper one (each try is a whole greedy run: seconds on ResNet-50, about half
-    a minute on Inception-v4, on a laptop); ``"never"``. The same setting runs the greedy
-    rounds seeded with the swaps of the bound's relaxation (:func:`_guided_runs`): where
-    ``"always"``, and where ``"unmet"`` and no plan so far meets the budget.
-    Every peak counts the workspaces ops hold while they run (``timeline.scratch``); with a
-    budget, where they exist and the plan moves anything, the timeline is also planned as if
-    they did not, to lower budgets, and the plan that ranks best with them is kept
-    (:func:`_plan_around_workspaces`).
+    ``swap_search``: when to run the greedy rounds seeded with the swaps of the bound's
+    relaxation (:func:`_guided_runs`) and then search for the set of tensors swapped before
+    the rounds (:func:`_swap_search`): ``"unmet"`` (default) where no plan so far meets the
+    budget; ``"always"`` also where one does, for a cheaper plan (each try is a whole greedy
+    run: half a minute in all on ResNet-50, about two minutes on Inception-v4, on a
+    laptop); ``"never"``.
+    Every peak counts the workspaces ops hold while they run (``timeline.scratch``).
     """
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_swap_search(swap_search)
@@ -110,53 +111,14 @@ def plan(
     check_max_overhead(max_overhead)
     check_rebuild_ahead(rebuild_ahead)
     t0 = time.perf_counter()
-    options = dict(d2h_bw=d2h_bw, h2d_bw=h2d_bw, allow_recompute=allow_recompute,
-                   allow_cross_iteration=allow_cross_iteration, copy_latency_ms=copy_latency_ms,
-                   min_bytes=min_bytes, max_overhead=max_overhead, allow_swaps=allow_swaps,
-                   swap_cost_ms=swap_cost_ms, swap_search=swap_search)
-    best = _best_plan(timeline, budget_bytes, **options)
-    if timeline.scratch and budget_bytes is not None and (
-            best.swaps or best.recomputes or not best.feasible):
-        best = _plan_around_workspaces(timeline, budget_bytes, best, options)
+    best = _best_plan(timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
+                      allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
+                      copy_latency_ms=copy_latency_ms, min_bytes=min_bytes,
+                      max_overhead=max_overhead, allow_swaps=allow_swaps,
+                      swap_cost_ms=swap_cost_ms, swap_search=swap_search)
     if rebuild_ahead:
         schedule_ahead(timeline, best, rebuild_ahead)
     best.planner_ms = (time.perf_counter() - t0) * 1e3
-    return best
-
-
-# :func:`_plan_around_workspaces`: at most this many plans of the timeline without them.
-WORKSPACE_TRIES = 3
-
-
-def _plan_around_workspaces(tl: AccessTimeline, budget_bytes: int, best: Plan,
-                            options: dict) -> Plan:
-    """``best``, or a plan made as if no op held a workspace (``tl.scratch``) that ranks
-    above it once they count (:func:`_rank`).
-
-    An op with a large workspace is a peak that few tensors span: a late backward
-    convolution of ResNet-50 (78 MiB of cuDNN's at b=16 on the H200) is spanned only by
-    the first stage's activations, whose rebuilds are long chains. Shaving there first, the
-    greedy runs paid 1.72 ms to reach 535 MiB where a plan made without workspaces, to a
-    lower budget, met 530 MiB with them for 1.23 ms (an H200 snapshot of the forty-sixth
-    session). So the timeline is planned again without them, each try's budget lowered by
-    how far the last one ended above ``budget_bytes`` with them (by 1 % of it at least: a
-    greedy plan moves whole tensors, and a smaller step may end on the same plan). The
-    greedy plans do not fall monotonically with the budget, so every try is ranked."""
-    plain = tl.with_scratch({})
-    peak_before = int(tl.vanilla_curve().max())
-    target = budget_bytes
-    for _ in range(WORKSPACE_TRIES):
-        p = _best_plan(plain, target, **options)
-        peak = simulate(tl, p).peak
-        p = replace(p, budget_bytes=budget_bytes, peak_before=peak_before, peak_after=peak,
-                    feasible=peak <= budget_bytes)
-        if _rank(p, budget_bytes) < _rank(best, budget_bytes):
-            best = p
-        if p.feasible:
-            break
-        target -= max(peak - budget_bytes, budget_bytes // 100)
-        if target <= 0:
-            break
     return best
 
 
@@ -196,23 +158,30 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
     def searching(p: Plan) -> bool:   # swap_search's rule for the search and seeded runs
         return allow_swaps and allow_recompute and (
             swap_search == "always" or (swap_search == "unmet" and not p.feasible))
+    relaxed = None
+    if searching(best) and budget_bytes is not None:
+        from .bound import extra_time_bound   # the bound builds on this module's rebuilds
+        relaxed = extra_time_bound(timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
+                                   min_bytes=min_bytes, copy_latency_ms=copy_latency_ms,
+                                   swap_cost_ms=swap_cost_ms)
+        best = min([best] + _guided_runs(run, timeline, relaxed),
+                   key=lambda r: _rank(r, budget_bytes))
     if searching(best) and best.recomputes:
         # Where the budget is out of reach, the plan's own peak may be a rebuild's: a
         # tensor rebuilt in backward with the chain of inputs it needs (ResNet-50's first
-        # stage, 171 MB rebuilt at once for one 49 MB tensor). Swapping a tensor across
-        # that peak, out in forward and back just in time, and planning the rest by
-        # recomputation can reach lower than either alone (ResNet-50 at b=16 on the H200:
-        # 540 -> 492 MB, a snapshot of the forty-third session; VGG-16 at the authors' MSR,
-        # where the runs that swap first came closest: 2214 -> 2189 MiB, within its budget).
-        # Where the budget is met, the same search may find a cheaper plan (ResNet-50 at
-        # checkpointing's peak: 0.576 -> 0.477 ms priced), but each try is a whole greedy
-        # run (about a second on Inception-v4): only with swap_search="always".
-        best = _swap_across_peaks(run, timeline, best, budget_bytes, min_bytes)
-    if searching(best) and budget_bytes is not None:
-        guided = _guided_runs(run, timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
-                              min_bytes=min_bytes, copy_latency_ms=copy_latency_ms,
-                              swap_cost_ms=swap_cost_ms)
-        best = min([best] + guided, key=lambda r: _rank(r, budget_bytes))
+        # stage, 171 MB rebuilt at once for one 49 MB tensor). Swapping a few large tensors
+        # for their whole gap, and planning the rest by recomputation, can reach lower than
+        # either alone (ResNet-50 at b=16 on the H200: 540 -> 492 MB, a snapshot of the
+        # forty-third session; VGG-16 at the authors' MSR: 2214 -> 2189 MiB, within its
+        # budget). Where the budget is met, the same search may find a cheaper plan
+        # (ResNet-50 at the authors' MSR: 1.16 -> 0.89 ms priced, from no swaps), but each
+        # try is a whole greedy run (about a second on Inception-v4): only with
+        # swap_search="always". It starts from no swaps and from the relaxation's.
+        starts, until = [()], {}
+        if relaxed is not None:
+            until = _backs_by(relaxed, GUIDE_SHARES[0])
+            starts.append(_relaxed_swaps(timeline, relaxed, GUIDE_SHARES[0]))
+        best = _swap_search(run, timeline, best, budget_bytes, min_bytes, starts, until)
     return best
 
 
@@ -222,75 +191,97 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
 GUIDE_SHARES = (0.5, 0.9)
 
 
-def _guided_runs(run, tl: AccessTimeline, budget_bytes: int, **bound_args) -> list[Plan]:
+def _guided_runs(run, tl: AccessTimeline, relaxed: PlanBound) -> list[Plan]:
     """Greedy runs that first swap what the linear relaxation of the bound swaps
-    (:func:`tensile.bound.extra_time_bound`, at least a share in :data:`GUIDE_SHARES` of a
-    tensor), each back by the first rebuild that reads it where the relaxation rebuilds
-    that reader, then plan the rest (with further swaps or not; a recompute's dropped
-    inputs rebuilt for it alone or not). The greedy rounds shave the peak of the moment,
-    and a tensor swapped early there keeps the rebuilds that read it out of reach; the
-    relaxation weighs every peak at once. Inception-v4 at checkpointing's peak on the H200
-    (a snapshot of 2026-12-02, b=16): the relaxation swaps the stem's largest outputs and
-    rebuilds the rest, priced 0.88 ms where the greedy runs price 1.59; seeded with the 13
-    it swaps nearly whole, a greedy run plans it for 0.93. Empty where the relaxation
-    swaps nothing."""
-    from .bound import extra_time_bound   # the bound builds on this module's rebuilds
-    relaxed = extra_time_bound(tl, budget_bytes, **bound_args)
+    (``relaxed``, :func:`tensile.bound.extra_time_bound`: at least a share in
+    :data:`GUIDE_SHARES` of a tensor), each back by the first rebuild that reads it where
+    the relaxation rebuilds that reader, then plan the rest (with further swaps or not; a
+    recompute's dropped inputs rebuilt for it alone or not). The greedy rounds shave the
+    peak of the moment, and a tensor swapped early there keeps the rebuilds that read it
+    out of reach; the relaxation weighs every peak at once. Inception-v4 at checkpointing's
+    peak on the H200 (a snapshot of 2026-12-02, b=16): the relaxation swaps the stem's
+    largest outputs and rebuilds the rest, priced 0.88 ms where the greedy runs price
+    1.59; seeded with the 13 it swaps nearly whole, a greedy run plans it for 0.93. Empty
+    where the relaxation swaps nothing."""
     runs, seen = [], set()
     for share in GUIDE_SHARES:
-        pre = tuple(sorted((sid for sid, z in relaxed.swapped.items() if z >= share),
-                           key=lambda sid: (tl.backward_gap(sid)[0], sid)))
+        pre = _relaxed_swaps(tl, relaxed, share)
         if not pre or pre in seen:
             continue
         seen.add(pre)
-        until = {sid: op for sid, (op, reader) in relaxed.first_reader.items()
-                 if sid in pre and relaxed.rebuilt.get(reader, 0.0) >= share}
+        until = {sid: op for sid, op in _backs_by(relaxed, share).items() if sid in pre}
         runs += [run(allow_swaps=swaps, transient=transient, pre_swaps=pre, swap_until=until)
                  for swaps in (False, True) for transient in (True, False)]
     return runs
 
 
-# The search of :func:`_swap_across_peaks`: at most this many rounds, each trying this many
-# tensors (the largest whose forward-to-backward gap spans the peak of the moment).
+def _relaxed_swaps(tl: AccessTimeline, relaxed: PlanBound, share: float) -> tuple[int, ...]:
+    """The activations ``relaxed`` swaps at least ``share`` of, in forward order."""
+    return tuple(sorted((sid for sid, z in relaxed.swapped.items() if z >= share),
+                        key=lambda sid: (tl.backward_gap(sid)[0], sid)))
+
+
+def _backs_by(relaxed: PlanBound, share: float) -> dict[int, int]:
+    """sid -> the op by which a swap of it must be back: that of the first rebuild reading
+    it, where ``relaxed`` rebuilds that reader at least ``share``."""
+    return {sid: op for sid, (op, reader) in relaxed.first_reader.items()
+            if relaxed.rebuilt.get(reader, 0.0) >= share}
+
+
+# The search of :func:`_swap_search`: at most this many rounds from each start, each trying
+# this many tensors (the largest activations whose gap spans memory over the target).
 SWAP_SEARCH_ROUNDS = 4
 SWAP_SEARCH_WIDTH = 10
 
 
-def _swap_across_peaks(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None,
-                       min_bytes: int) -> Plan:
-    """Greedy search over tensors swapped before recomputation plans the rest: each round
-    tries swapping each of the :data:`SWAP_SEARCH_WIDTH` largest activations whose
-    forward-to-backward gap spans the current plan's peak op (on top of those kept so
-    far), plans the rest without swaps (``run``), and keeps the best try if it ranks
-    above the current plan (:func:`_rank`); it stops at the first round that brings
-    nothing, after :data:`SWAP_SEARCH_ROUNDS`, or at a plan that meets the budget and
-    cannot get cheaper by a round. Returns the best plan seen (``best`` if none beat it)."""
-    chosen: tuple[int, ...] = ()
-    for _ in range(SWAP_SEARCH_ROUNDS):
-        k = simulate(tl, best).peak_op
-        tries = []
-        for sid in _spanning(tl, k, chosen, min_bytes)[:SWAP_SEARCH_WIDTH]:
-            p = run(allow_swaps=False, transient=True, pre_swaps=chosen + (sid,))
-            if len(p.swaps) == len(chosen) + 1:   # it fitted on the channels
-                tries.append((_rank(p, budget_bytes), sid, p))
-        if not tries:
-            break
-        rank, sid, p = min(tries, key=lambda x: (x[0], x[1]))
-        if rank >= _rank(best, budget_bytes):
-            break
-        chosen, best = chosen + (sid,), p
+def _swap_search(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None, min_bytes: int,
+                 starts: list[tuple[int, ...]], until: dict[int, int]) -> Plan:
+    """Local search over the set of activations swapped for their whole gap before the
+    greedy rounds plan the rest by recomputation (``run`` with ``pre_swaps``). From each
+    set in ``starts``, each round tries dropping each tensor of the set and adding each of
+    the :data:`SWAP_SEARCH_WIDTH` candidates (:func:`_search_candidates`), and keeps the
+    best try if it ranks above the current one (:func:`_rank`); it stops at the first round
+    that brings nothing, or after :data:`SWAP_SEARCH_ROUNDS`. A swap in ``until`` is back
+    by that op (a rebuild there reads it). Each start runs both ways of rebuilding a
+    recompute's dropped inputs and keeps the better for its rounds. Returns the best plan
+    seen (``best`` if none beat it)."""
+    candidates = _search_candidates(tl, budget_bytes if budget_bytes is not None
+                                    else best.peak_after, min_bytes)[:SWAP_SEARCH_WIDTH]
+
+    def attempt(chosen: frozenset[int], transient: bool) -> Plan:
+        pre = tuple(sorted(chosen, key=lambda sid: (tl.backward_gap(sid)[0], sid)))
+        return run(allow_swaps=False, transient=transient, pre_swaps=pre,
+                   swap_until={sid: until[sid] for sid in pre if sid in until})
+
+    def swapped(p: Plan) -> frozenset[int]:   # those of a try that fitted on the channels
+        return frozenset(s.sid for s in p.swaps)
+    for start in starts:
+        current, transient = min(((attempt(frozenset(start), t), t) for t in (True, False)),
+                                 key=lambda x: _rank(x[0], budget_bytes))
+        for _ in range(SWAP_SEARCH_ROUNDS):
+            chosen = swapped(current)
+            tries = [attempt(chosen ^ {sid}, transient)
+                     for sid in sorted(chosen) + [c for c in candidates if c not in chosen]]
+            if not tries:
+                break
+            p = min(tries, key=lambda r: (_rank(r, budget_bytes), sorted(swapped(r))))
+            if _rank(p, budget_bytes) >= _rank(current, budget_bytes):
+                break
+            current = p
+        best = min(best, current, key=lambda r: _rank(r, budget_bytes))
     return best
 
 
-def _spanning(tl: AccessTimeline, k: int, skip: tuple[int, ...], min_bytes: int) -> list[int]:
-    """Swappable activations of at least ``min_bytes`` whose forward-to-backward gap spans op
-    ``k``, not in ``skip``, largest first."""
+def _search_candidates(tl: AccessTimeline, target: int, min_bytes: int) -> list[int]:
+    """Swappable activations of at least ``min_bytes`` whose forward-to-backward gap spans
+    an op where the unplanned step holds more than ``target`` bytes, largest first."""
+    over = np.flatnonzero(tl.vanilla_curve() > target)
     out = []
     for sid, t in tl.tensors.items():
-        if sid in skip or not t.swappable or t.persistent or t.nbytes < min_bytes:
+        if not t.swappable or t.persistent or t.nbytes < min_bytes:
             continue
         gap = tl.backward_gap(sid)
-        if gap is not None and gap[0] < k < gap[1]:
+        if gap is not None and np.any((over > gap[0]) & (over < gap[1])):
             out.append(sid)
     return sorted(out, key=lambda s: (-tl.tensors[s].nbytes, s))
 
@@ -321,7 +312,11 @@ def keep_what_fits(tl: AccessTimeline, p: Plan) -> Plan:
     if len(kept) == len(p.recomputes):
         return p
     gone = sum(r.cost_ms for r in p.recomputes if r not in kept)   # the swaps' price stays
-    return replace(p, recomputes=kept, peak_after=simulate(tl, replace(p, recomputes=kept)).peak,
+    # a rebuild may hold memory of its own (inputs rebuilt for it alone): without it the
+    # peak may even fall, below a budget the plan missed
+    peak = simulate(tl, replace(p, recomputes=kept)).peak
+    return replace(p, recomputes=kept, peak_after=peak,
+                   feasible=p.budget_bytes is None or peak <= p.budget_bytes,
                    est_overhead_ms=float(p.est_overhead_ms - gone))
 
 
@@ -434,7 +429,8 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
         budget_bytes=budget_bytes,
         d2h_bytes_per_s=float(d2h_bw),
         h2d_bytes_per_s=float(h2d_bw),
-        swaps=sorted(st.swaps, key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
+        swaps=sorted((_first_use(timeline, s, st.recomputes) for s in st.swaps),
+                     key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
         recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
         peak_before=peak_before,
         peak_after=peak_after,
@@ -449,6 +445,20 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
     if not np.array_equal(replay.curve, st.mem):
         raise AssertionError("TENSILE planner bug: incremental memory curve differs from replay")
     return result
+
+
+def _first_use(tl: AccessTimeline, s: Swap, recomputes: list[Recompute]) -> Swap:
+    """``s`` with ``use_op`` the first op after its copy-in is issued that reads it: a
+    rebuild (its own sources, or those of one rebuilt for it alone) or its backward access.
+    A swap placed to be back for a rebuild (``swap_until``) that the rounds then planned
+    otherwise is needed first later."""
+    if s.cross_iteration:
+        return s
+    rebuilt = {r.sid: r for r in recomputes}
+    readers = [r.before_op for r in recomputes if r.before_op > s.in_issue_op
+               and any(s.sid in q.sources for q in [r] + [rebuilt[t] for t in r.transient])]
+    first = min(readers + [tl.backward_gap(s.sid)[1]])
+    return s if first == s.use_op else replace(s, use_op=first)
 
 
 def transfer_intervals(tl: AccessTimeline, d2h_bw: float, h2d_bw: float,
@@ -556,8 +566,8 @@ class PlanState:
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
-        # swapped activations: sid -> the op before which the runtime issues its copy-in
-        # (a rebuild at a later op may read it: :func:`recompute_of`)
+        # swapped activations: sid -> an op after which a rebuild may read it, its copy-in
+        # issued (:func:`recompute_of`) and done by the rebuild's start (:meth:`_add_swap`)
         self.back_by: dict[int, int] = {}
         self.reserve_transfers()
 
@@ -629,7 +639,12 @@ class PlanState:
         self.h2d.add(swap.in_start_ms, swap.in_end_ms)
         self.swaps.append(swap)
         if not swap.cross_iteration:
-            self.back_by[swap.sid] = swap.in_issue_op + 1
+            # A rebuild runs when backward unpacks what it rebuilds, at the start of its op,
+            # and may read the tensor from an op whose start the copy-in has ended by: a
+            # later one would wait on the copy, which no price counts. And not before the
+            # second op after the copy-in's issue (:func:`recompute_of`).
+            done = self.tl.first_op_starting_at_or_after(swap.in_end_ms - EPS)
+            self.back_by[swap.sid] = max(swap.in_issue_op + 1, done - 1)
         self.commit(swap.sid, lo, hi)
 
     def _durations(self, nbytes: int) -> tuple[float, float]:
@@ -924,7 +939,8 @@ class PlanState:
     def _swaps_back_for(self, r: Recompute) -> bool:
         """Are the swapped tensors that ``r``'s rebuild reads back by its ``before_op``, those
         read by the recomputes rebuilt with it (:meth:`_not_back_by`) included? Each copy-in
-        must be issued before an earlier op (``back_by``, :func:`recompute_of`)."""
+        must be issued before an earlier op and done by then (``back_by``,
+        :func:`recompute_of`)."""
         return all(self.back_by[src] < r.before_op for q in [r] + self._not_back_by(r)
                    for src in q.sources if src in self.back_by)
 
@@ -973,7 +989,9 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     it is rebuilt first, by op ``j`` (the caller decides whether it then stays until its
     own use or is rebuilt for this recompute alone, :meth:`PlanState._affordable`), or
     swapped with its copy-in issued before an op earlier than ``j`` (``back_by``: sid -> that
-    op; the runtime waits for the copy before the rebuild reads it).
+    op; the runtime issues a copy-in at its op's last hook, which may come after the
+    reader's unpack, and waits for the copy before the rebuild reads it; the planner also
+    has the copy done by then, :meth:`PlanState._add_swap`).
     Chains of recomputes rebuild a run of layers from one kept tensor, as activation
     checkpointing does. ``keep_sources``: an input that the step reads only in forward
     and is done with before op ``j`` may be kept until then (``Recompute.kept``; the

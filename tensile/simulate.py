@@ -71,17 +71,13 @@ def kept_ranges(timeline: AccessTimeline, recomputes) -> dict[int, tuple[int, in
 def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
     """Resident bytes during every op with ``plan`` applied (``None``: vanilla)."""
     n = timeline.num_ops
-    diff = np.zeros(n + 1, dtype=np.int64)
-    gone = absent_ranges(timeline, plan) if plan is not None else {}
-    for sid, t in timeline.tensors.items():
-        lo, hi = timeline.vanilla_range(sid)
-        diff[lo] += t.nbytes
-        diff[hi + 1] -= t.nbytes
-        if sid in gone:
-            a, b = max(gone[sid][0], lo), min(gone[sid][1], hi)
-            if a <= b:
-                diff[a] -= t.nbytes
-                diff[b + 1] += t.nbytes
+    diff = np.zeros(n + 1, dtype=np.int64)   # the plan's changes to the vanilla curve
+    for sid, (lo, hi) in (absent_ranges(timeline, plan) if plan is not None else {}).items():
+        vlo, vhi = timeline.vanilla_range(sid)
+        a, b = max(lo, vlo), min(hi, vhi)
+        if a <= b:
+            diff[a] -= timeline.tensors[sid].nbytes
+            diff[b + 1] += timeline.tensors[sid].nbytes
     for sid, (lo, hi) in (kept_ranges(timeline, plan.recomputes) if plan is not None else {}).items():
         diff[lo] += timeline.tensors[sid].nbytes
         diff[hi + 1] -= timeline.tensors[sid].nbytes
@@ -90,7 +86,7 @@ def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
             extra = sum(timeline.tensors[s].nbytes for s in r.transient)
             diff[r.before_op] += extra
             diff[r.before_op + 1] -= extra
-    curve = np.cumsum(diff[:-1]) + timeline.scratch_curve()
+    curve = timeline.vanilla_curve() + np.cumsum(diff[:-1])
     k = int(np.argmax(curve)) if n else 0
     return SimResult(curve=curve, peak=int(curve[k]) if n else 0, peak_op=k)
 

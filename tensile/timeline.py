@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -152,7 +153,13 @@ class AccessTimeline:
 
     def vanilla_curve(self) -> np.ndarray:
         """Resident bytes during each op, without any plan (int64 array of length n), each
-        op's ``scratch`` included."""
+        op's ``scratch`` included. A new array each call (the planner edits its copy)."""
+        return self._vanilla.copy()
+
+    @cached_property
+    def _vanilla(self) -> np.ndarray:
+        # worked out once: a planner replays plans against it hundreds of times, and a
+        # timeline's tensors do not change once it is built (with_* make new ones)
         diff = np.zeros(self.num_ops + 1, dtype=np.int64)
         for sid, t in self.tensors.items():
             lo, hi = self.vanilla_range(sid)
