@@ -101,7 +101,7 @@ def plan(
     relaxation (:func:`_guided_runs`) and then search for the set of tensors swapped before
     the rounds (:func:`_swap_search`): ``"unmet"`` (default) where no plan so far meets the
     budget; ``"always"`` also where one does, for a cheaper plan (each try is a whole greedy
-    run: half a minute in all on ResNet-50, about two minutes on Inception-v4, on a
+    run: seconds in all on ResNet-50, about a minute on Inception-v4, on a
     laptop); ``"never"``.
     Every peak counts the workspaces ops hold while they run (``timeline.scratch``).
     """
