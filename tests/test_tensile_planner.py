@@ -173,6 +173,9 @@ def check_swap(tl: AccessTimeline, s: Swap, p: Plan) -> None:
         assert s.out_start_ms >= tl.end[last_write] - EPS, "copied out before its last write"
         # back for its next access, or for a rebuild before an earlier op that reads it
         assert s.use_op in t.accesses or s.use_op in rebuilds_reading(p, s.sid)
+        # use_op is the first that reads it back: no rebuild reads it while it is away, or
+        # waits on its copy-in (no price counts such a wait)
+        assert all(k < s.release_after_op or k >= s.use_op for k in rebuilds_reading(p, s.sid))
         # dropped once its copy-out should be done: a captured step's wait for it stalls nothing
         assert tl.start[s.release_after_op + 1] >= s.out_end_ms - EPS, "released before its copy-out ends"
 
