@@ -55,7 +55,7 @@ from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
 from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_overhead,
-                      check_plan_args, check_swap_cost)
+                      check_plan_args, check_swap_cost, with_first_uses)
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -461,7 +461,7 @@ def _job_plan(st: PlanState, job: JobSpec, budget: int | None, d2h_bw: float, h2
     return Plan(
         num_ops=tl.num_ops, budget_bytes=budget,
         d2h_bytes_per_s=float(d2h_bw), h2d_bytes_per_s=float(h2d_bw),
-        swaps=sorted(st.swaps, key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
+        swaps=with_first_uses(tl, st.swaps, st.recomputes),
         recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
         peak_before=int(tl.vanilla_curve().max()), peak_after=int(st.mem.max()),
         est_overhead_ms=_extra_ms(st, job), iteration_ms=tl.iteration_ms)

@@ -315,7 +315,7 @@ def keep_what_fits(tl: AccessTimeline, p: Plan) -> Plan:
     # a rebuild may hold memory of its own (inputs rebuilt for it alone): without it the
     # peak may even fall, below a budget the plan missed
     peak = simulate(tl, replace(p, recomputes=kept)).peak
-    return replace(p, recomputes=kept, peak_after=peak,
+    return replace(p, recomputes=kept, swaps=with_first_uses(tl, p.swaps, kept), peak_after=peak,
                    feasible=p.budget_bytes is None or peak <= p.budget_bytes,
                    est_overhead_ms=float(p.est_overhead_ms - gone))
 
@@ -429,8 +429,7 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
         budget_bytes=budget_bytes,
         d2h_bytes_per_s=float(d2h_bw),
         h2d_bytes_per_s=float(h2d_bw),
-        swaps=sorted((_first_use(timeline, s, st.recomputes) for s in st.swaps),
-                     key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid)),
+        swaps=with_first_uses(timeline, st.swaps, st.recomputes),
         recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
         peak_before=peak_before,
         peak_after=peak_after,
@@ -447,18 +446,23 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
     return result
 
 
-def _first_use(tl: AccessTimeline, s: Swap, recomputes: list[Recompute]) -> Swap:
-    """``s`` with ``use_op`` the first op after its copy-in is issued that reads it: a
-    rebuild (its own sources, or those of one rebuilt for it alone) or its backward access.
-    A swap placed to be back for a rebuild (``swap_until``) that the rounds then planned
-    otherwise is needed first later."""
-    if s.cross_iteration:
-        return s
+def with_first_uses(tl: AccessTimeline, swaps: list[Swap],
+                    recomputes: list[Recompute]) -> list[Swap]:
+    """``swaps`` in the order of their copy-outs, each one's ``use_op`` the first op after
+    its copy-in is issued that reads it: a rebuild in ``recomputes`` (its own sources, or
+    those of one rebuilt for it alone) or its backward access. A swap placed to be back for
+    a rebuild (``swap_until``) that the plan does not make is needed later; one placed for
+    its backward access may feed a rebuild before it."""
     rebuilt = {r.sid: r for r in recomputes}
-    readers = [r.before_op for r in recomputes if r.before_op > s.in_issue_op
-               and any(s.sid in q.sources for q in [r] + [rebuilt[t] for t in r.transient])]
-    first = min(readers + [tl.backward_gap(s.sid)[1]])
-    return s if first == s.use_op else replace(s, use_op=first)
+
+    def first_use(s: Swap) -> Swap:
+        if s.cross_iteration:
+            return s
+        readers = [r.before_op for r in recomputes if r.before_op > s.in_issue_op
+                   and any(s.sid in q.sources for q in [r] + [rebuilt[t] for t in r.transient])]
+        first = min(readers + [tl.backward_gap(s.sid)[1]])
+        return s if first == s.use_op else replace(s, use_op=first)
+    return sorted(map(first_use, swaps), key=lambda s: (s.out_issue_op, s.out_start_ms, s.sid))
 
 
 def transfer_intervals(tl: AccessTimeline, d2h_bw: float, h2d_bw: float,
