@@ -175,7 +175,7 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
         # forty-third session; VGG-16 at the authors' MSR: 2214 -> 2189 MiB, within its
         # budget). Where the budget is met, the same search may find a cheaper plan
         # (ResNet-50 at the authors' MSR: 1.16 -> 0.89 ms priced, from no swaps), but each
-        # try is a whole greedy run (about a second on Inception-v4): only with
+        # try is a whole greedy run (half a second on Inception-v4): only with
         # swap_search="always". It starts from no swaps and from the relaxation's.
         starts, until = [()], {}
         if relaxed is not None:
