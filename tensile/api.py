@@ -258,9 +258,9 @@ class Scheduler:
     the plan (:func:`tensile.planner.plan`; with ``scheduler_socket`` it goes to the
     scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
-    ``swap_search`` (local planning): ``"always"`` also searches for swaps across the plan's
-    peak, and plans again seeded with the swaps of the bound's relaxation, where the budget
-    is met, for a cheaper plan (seconds to a few minutes of planning more); ``"unmet"``
+    ``swap_search`` (local planning): ``"always"`` also plans again seeded with the swaps of
+    the bound's relaxation, and searches over which tensors to swap, where the budget is
+    met, for a cheaper plan (seconds to a few minutes of planning more); ``"unmet"``
     (default) only where no plan meets it; ``"never"``
     (:func:`tensile.planner.plan`).
     ``record_batches`` (e.g. ``(2, 4, 8)``): record the step on the first 2, 4 and 8

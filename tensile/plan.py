@@ -9,7 +9,8 @@ placed on their channel: the runtime anchors every action to op boundaries.
 Semantics of one :class:`Swap` of a transient tensor (an activation saved for
 backward): the device→host copy is issued after ``out_issue_op``; the device copy is
 dropped after ``release_after_op``; the host→device copy is issued after
-``in_issue_op``; op ``use_op`` is the first access that needs it back. A
+``in_issue_op``; op ``use_op`` is the first that reads it back (its backward access, or
+a rebuild that reads it). A
 *cross-iteration* swap (parameter or optimizer state) is copied out after its last
 update, dropped at the end of the step, and copied back in the next iteration
 (``in_issue_op`` then counts ops of the next iteration; ``-1`` = at its start). Its

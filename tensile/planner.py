@@ -209,7 +209,7 @@ def _guided_runs(run, tl: AccessTimeline, relaxed: PlanBound) -> list[Plan]:
         if not pre or pre in seen:
             continue
         seen.add(pre)
-        until = {sid: op for sid, op in _backs_by(relaxed, share).items() if sid in pre}
+        until = _backs_by(relaxed, share)
         runs += [run(allow_swaps=swaps, transient=transient, pre_swaps=pre, swap_until=until)
                  for swaps in (False, True) for transient in (True, False)]
     return runs
@@ -217,8 +217,13 @@ def _guided_runs(run, tl: AccessTimeline, relaxed: PlanBound) -> list[Plan]:
 
 def _relaxed_swaps(tl: AccessTimeline, relaxed: PlanBound, share: float) -> tuple[int, ...]:
     """The activations ``relaxed`` swaps at least ``share`` of, in forward order."""
-    return tuple(sorted((sid for sid, z in relaxed.swapped.items() if z >= share),
-                        key=lambda sid: (tl.backward_gap(sid)[0], sid)))
+    return _in_forward_order(tl, (sid for sid, z in relaxed.swapped.items() if z >= share))
+
+
+def _in_forward_order(tl: AccessTimeline, sids) -> tuple[int, ...]:
+    """Activations ``sids`` by the start of their forward-to-backward gap (the order in
+    which ``pre_swaps`` are placed on the channels)."""
+    return tuple(sorted(sids, key=lambda sid: (tl.backward_gap(sid)[0], sid)))
 
 
 def _backs_by(relaxed: PlanBound, share: float) -> dict[int, int]:
@@ -249,9 +254,8 @@ def _swap_search(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None, 
                                     else best.peak_after, min_bytes)[:SWAP_SEARCH_WIDTH]
 
     def attempt(chosen: frozenset[int], transient: bool) -> Plan:
-        pre = tuple(sorted(chosen, key=lambda sid: (tl.backward_gap(sid)[0], sid)))
-        return run(allow_swaps=False, transient=transient, pre_swaps=pre,
-                   swap_until={sid: until[sid] for sid in pre if sid in until})
+        return run(allow_swaps=False, transient=transient,
+                   pre_swaps=_in_forward_order(tl, chosen), swap_until=until)
 
     def swapped(p: Plan) -> frozenset[int]:   # those of a try that fitted on the channels
         return frozenset(s.sid for s in p.swaps)
@@ -406,7 +410,7 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
     swapped (they may still be rebuilt); ``swap_cost_ms``: each swap's price (:func:`plan`);
     ``pre_swaps``: activations swapped for their whole gap before the rounds start, where
     they fit (:meth:`PlanState.swap_whole_gap`), each back by its op in ``swap_until`` where
-    it has one."""
+    it has one (other entries there are not used)."""
     st = PlanState(timeline, d2h_bw, h2d_bw, copy_latency_ms)
     st.transient_ok = transient
     st.no_swap = no_swap
