@@ -498,7 +498,7 @@ class Scheduler:
         return res.loss
 
     def capture(self, *batch, warmup: int = 1, plan_for_graph: bool = True,
-                time_copies: bool = False) -> GraphStep:
+                time_copies: bool = False, swap_search: str | None = None) -> GraphStep:
         """This scheduled step captured into one CUDA graph (:mod:`tensile.graph`): calling
         the result with a batch runs forward, backward and ``optimizer.step()`` with the
         plan's copies and recomputes, and no host work.
@@ -524,7 +524,22 @@ class Scheduler:
         ``runner.captured_copy_rates()`` tells the copies' bandwidths after a replay; they
         slow each wait for a copy (about 10 µs against 1-3 on the H200), so they are off by
         default.
+
+        ``swap_search`` (local planning, with ``plan_for_graph``): the graph's plan searches
+        this way (see the class), and later plans too. The search pays off only in the plan
+        the graph keeps: with ``"always"`` here and the default at construction, the eager
+        steps before the capture plan in seconds (Inception-v4 at b=16: a minute a plan
+        with the search).
         """
+        if swap_search is not None:
+            check_swap_search(swap_search)
+            if self._planner_options() is None or self.client is not None:
+                raise ValueError(f"swap_search={swap_search!r} is an option of TENSILE's own "
+                                 "planner here; it does not apply with planner= or "
+                                 "scheduler_socket")
+            if not plan_for_graph:
+                raise ValueError(f"swap_search={swap_search!r} plans for the graph; it needs "
+                                 "plan_for_graph=True")
         if self.simulate:
             raise ValueError("capture needs CUDA; this scheduler simulates on the CPU")
         if self.client is not None and self.allow_cross:
@@ -539,6 +554,8 @@ class Scheduler:
                              f"{self._example}")
         self.runner.check_capturable()
         if plan_for_graph:
+            if swap_search is not None:   # a partial of the partial: its keywords merged
+                self.planner = functools.partial(self.planner, swap_search=swap_search)
             self._plan_for_captured_step(batch, warmup)
         self._graph_plan = self.plan
         self.runner.time_captured_copies = time_copies

@@ -366,10 +366,13 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                                     jobs=stream_jobs, h2d_bw=scheduler_kwargs.get("h2d_bw"),
                                     d2h_bw=scheduler_kwargs.get("d2h_bw"),
                                     update_chunk_mb=stream_chunk_mb)
+    # The search pays off only in the plan the graph keeps; the eager steps plan without it
+    # ("always" takes a minute a plan on Inception-v4, and they plan twice).
+    search = scheduler_kwargs.pop("swap_search", None)
     sched = Scheduler(model, optimizer, example_batch, loss_fn, budget, **scheduler_kwargs)
     for _ in range(2):  # the optimizer's state, then a timed step (its copies' bandwidths)
         sched.step(*example_batch)
-    graph = sched.capture(*example_batch, time_copies=time_copies)
+    graph = sched.capture(*example_batch, time_copies=time_copies, swap_search=search)
     report = sched.report()   # the captured plan's (the graph keeps it: no later re-plan)
     # the least any plan could have been priced at (budgeted plans): a linear program that
     # takes up to a second, solved when first asked, so it stays out of the prepare time

@@ -801,3 +801,24 @@ def test_tune_resident_times_a_captured_step_without_training_and_trains_exactly
         training_step(model, opt, b, nn.functional.cross_entropy)
     for a, b in zip(expected, states(model, opt)):
         assert torch.equal(a, b.cpu()), "the tuned streamed step differs from plain eager Adam"
+
+
+@pytest.mark.usefixtures("strict_fp32")
+def test_capture_searches_the_graphs_plan_alone():
+    """``capture(swap_search="always")``: the eager steps plan with the default search, the
+    graph's plan (and its snapshot) with the one asked for, within the budget."""
+    data = batches(4, batch=64, hw=64)
+    budget = int(0.6 * planned_vanilla_peak(data, width=64))
+    model = make_cnn(width=64)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy, budget=budget,
+                              allow_cross_iteration=False)
+    for b in data[:2]:
+        sched.step(*b)
+    assert sched.snapshot().options["swap_search"] == "unmet"
+    graph = sched.capture(*data[0], swap_search="always")
+    for b in data[2:]:
+        graph(*b)
+    torch.cuda.synchronize()
+    assert sched.snapshot().options["swap_search"] == "always"
+    assert sched.plan.feasible and sched.plan.peak_after <= budget

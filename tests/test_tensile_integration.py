@@ -289,3 +289,25 @@ def test_demo_runs_kills_a_job_and_cleans_up():
         assert not sock.exists()  # the scheduler was stopped cleanly
     finally:
         shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+def test_capture_checks_its_swap_search_before_it_needs_cuda():
+    """``capture(swap_search=...)`` re-plans the graph's step with TENSILE's own planner:
+    a bad mode, another planner or a capture without that re-plan are refused by name
+    (here, on the CPU, before the capture would say it needs CUDA)."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    b = batches(1)[0]
+    sched = tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, **RATES)
+    sched.step(*b)
+    with pytest.raises(ValueError, match="swap_search: expected one of"):
+        sched.capture(*b, swap_search="sometimes")
+    with pytest.raises(ValueError, match="needs plan_for_graph=True"):
+        sched.capture(*b, swap_search="always", plan_for_graph=False)
+    with pytest.raises(ValueError, match="capture needs CUDA"):
+        sched.capture(*b, swap_search="always")
+    assert sched._planner_options()["swap_search"] == "unmet"   # nothing changed on refusal
+    vdnn = tensile.Scheduler(model, opt, b, nn.functional.cross_entropy,
+                             planner=tensile.vdnn_plan, **RATES)
+    with pytest.raises(ValueError, match="swap_search='always' is an option of TENSILE's own"):
+        vdnn.capture(*b, swap_search="always")
