@@ -573,6 +573,7 @@ class PlanState:
         self.no_swap: frozenset[int] = frozenset()   # never swapped (see plan())
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
+        self.score_bounds: dict[int, float | None] = {}    # _score_bound's, asked once
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
         # swapped activations: sid -> an op after which a rebuild may read it, its copy-in
         # issued (:func:`recompute_of`) and done by the rebuild's start (:meth:`_add_swap`)
@@ -746,6 +747,8 @@ class PlanState:
                 gap = self.gaps[sid] = tl.backward_gap(sid)
             if tl.tensors[sid].persistent or gap is None or not gap[0] < p < gap[1]:
                 continue
+            if best is not None and self._score_bound(sid, gap[0]) <= best[0]:
+                continue   # cannot beat the best so far (nor join a group: see there)
             # a source of recomputes already planned must be back (rebuilt) before theirs
             j = min([gap[1]] + [self._rebuilt_by(d) for d in self.dependents.get(sid, [])])
             if not p < j:
@@ -773,6 +776,28 @@ class PlanState:
         for r in best[1]:
             self._commit_recompute(r)
         return True
+
+    def _score_bound(self, sid: int, i: int) -> float:
+        """The most bytes per ms that recomputing ``sid`` (dropped after op ``i``) could
+        score in :meth:`try_recompute`: all its bytes freed, at its own rerun's time (a
+        rebuild only adds to both). Infinite where the bound cannot skip it: a tensor
+        that may keep a forward-only source (a concatenation's parts) may free nothing
+        alone and still belong to a group (:meth:`_best_group`). Asked once per tensor."""
+        bound = self.score_bounds.get(sid)
+        if bound is None:
+            tl = self.tl
+            if sid not in self.rerun_ops:
+                self.rerun_ops[sid] = _rerun_ops(tl, sid, i)
+            ops = self.rerun_ops[sid]
+            if ops is None:
+                bound = -float("inf")   # recompute_of: none
+            elif any(not tl.tensors[src].persistent and tl.backward_gap(src) is None
+                     for src in ops[3]):
+                bound = float("inf")
+            else:
+                bound = tl.tensors[sid].nbytes / max(_rerun_ms(tl, ops[0], ops[1]), EPS)
+            self.score_bounds[sid] = bound
+        return bound
 
     def _best_group(self, sharing: list[Recompute], p: int,
                     max_cost_ms: float) -> tuple[float, list[Recompute]] | None:
