@@ -1005,3 +1005,38 @@ def test_a_scheduler_says_whether_its_graph_serves_the_current_plan():
     later.swaps[0].in_issue_op += 1
     sched.plan = later
     assert not current()
+
+
+def _unpruned(run):
+    """``run()`` with try_recompute weighing every candidate (no score bound)."""
+    from unittest import mock
+    with mock.patch.object(tensile.planner.PlanState, "_score_bound",
+                           lambda self, sid, i: float("inf")):
+        return run()
+
+
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return (a.same_actions(b) and a.peak_after == b.peak_after
+            and [(r.sid, r.cost_ms, r.transient) for r in a.recomputes]
+            == [(r.sid, r.cost_ms, r.transient) for r in b.recomputes])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tl=st.one_of(chains(), timelines()), frac=st.floats(0.2, 0.95), bw=bandwidths,
+       overhead=st.floats(0.0, 0.5), budgeted=st.booleans())
+def test_the_rebuild_score_bound_only_skips_what_could_not_win(tl, frac, bw, overhead, budgeted):
+    """try_recompute skips a tensor whose bytes over its own rerun time cannot beat the best
+    so far (:meth:`PlanState._score_bound`): the plans are those of weighing every one."""
+    budget = max(1, int(frac * tl.vanilla_curve().max())) if budgeted else None
+    run = lambda: plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, max_overhead=overhead,
+                       swap_search="always")
+    assert _same_plan(run(), _unpruned(run))
+
+
+def test_the_rebuild_score_bound_keeps_resnet50s_plan_at_checkpointings_peak():
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_resnet50_b16_tensile_graph_match_peak_"
+                                 "checkpoint_graph_copy_latency_ms_0.1_bn_from_stats_swap_search_"
+                                 "always_20261204T205242.json.gz")
+    pruned = snap.replan(swap_search="always")
+    assert pruned.feasible and pruned.recomputes
+    assert _same_plan(pruned, _unpruned(lambda: snap.replan(swap_search="always")))
