@@ -670,11 +670,13 @@ def test_presets_cover_the_papers_workloads():
     # the paper models without dropout (checkpoint_graph refuses VGG-16's and Inception-v3's)
     assert str(equal.hydra.sweeper.params.model).split(",") == ["inception_v4", "resnet50", "densenet121"]
     assert str(equal.hydra.sweeper.params["experiment.batch_norm_from_stats"]) == "false,true"
+    assert equal.experiment.swap_search == "always"
     authors = _compose(["+sweep=tensile_authors"], hydra_cfg=True)
     assert authors.experiment.match_msr == "paper" and authors.experiment.batch_norm_from_stats
     assert list(authors.experiment.methods) == ["vanilla", "graph", "tensile_graph"]
     assert str(authors.hydra.sweeper.params.model).split(",") == PAPER_MODELS
     assert str(authors.hydra.sweeper.params["experiment.stream_optimizer"]) == "0,16"
+    assert authors.experiment.swap_search == "always"
     for cfg in (single, batch, budget, captured, streamed, cost, equal, authors):
         assert set(cfg.experiment.methods) <= set(tensile_run.METHODS)
 
