@@ -43,6 +43,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
+from tqdm import tqdm
 
 from .plan import Plan, Recompute, Swap
 from .simulate import kept_ranges, simulate
@@ -253,7 +254,11 @@ def _swap_search(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None, 
     candidates = _search_candidates(tl, budget_bytes if budget_bytes is not None
                                     else best.peak_after, min_bytes)[:SWAP_SEARCH_WIDTH]
 
+    # a whole greedy run per try: tens of seconds on Inception-v4 (shown on a terminal)
+    bar = tqdm(desc="TENSILE swap search", unit="plan", disable=None, leave=False)
+
     def attempt(chosen: frozenset[int], transient: bool) -> Plan:
+        bar.update()
         return run(allow_swaps=False, transient=transient,
                    pre_swaps=_in_forward_order(tl, chosen), swap_until=until)
 
@@ -273,6 +278,7 @@ def _swap_search(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None, 
                 break
             current = p
         best = min(best, current, key=lambda r: _rank(r, budget_bytes))
+    bar.close()
     return best
 
 
