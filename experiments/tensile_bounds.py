@@ -3,7 +3,8 @@
     python -m experiments.tensile_bounds [--models inception_v4,resnet50,densenet121] [--gpu h200]
         [--results results] [--out results/analysis]
 
-Per model, the latest equal-peak job measured on ``--gpu`` (``+sweep=tensile_equal_peak``,
+Per model, the latest equal-peak job measured on ``--gpu`` that saved its planning snapshot,
+else the latest one (``+sweep=tensile_equal_peak``,
 ``tensile_graph(match_peak=checkpoint_graph,…,bn_from_stats)`` rows of
 ``results/<gpu>/tensile.csv``): the budget its plan fitted, the captured vanilla step
 (``graph``) and the built-in (``checkpoint_graph``) of the same job, and the batch-norm
@@ -59,8 +60,10 @@ COLUMNS = [
 
 def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
     """The latest full-protocol equal-peak job of ``model`` at ``batch_size`` in
-    ``gpu_dir`` whose ``tensile_graph`` rebuilt batch norms from their statistics, with its
-    job's captured vanilla step and built-in; None when there is none."""
+    ``gpu_dir`` whose ``tensile_graph`` rebuilt batch norms from their statistics and saved
+    its planning snapshot there, else the latest such job without one, with its job's
+    captured vanilla step and built-in; None when there is none."""
+    fallback = None
     ok = ok_tensile_rows(load_rows(gpu_dir, every_row=True))
     ok = ok[(ok["model"] == model) & (ok["batch_size"] == batch_size)]
     ours = ok[ok["backend"].astype(str).str.startswith("tensile_graph(match_peak=")
@@ -74,7 +77,7 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
         if not len(graph) or not len(ck) or not extra.get("match_met") \
                 or extra.get("bn_rerun_share_median") is None:
             continue
-        return {"tensile": r["backend"], "builtin": builtin, "budget": int(extra["budget"]),
+        found = {"tensile": r["backend"], "builtin": builtin, "budget": int(extra["budget"]),
                 "step_ms": float(graph.iloc[-1]["mean_ms"]), "builtin_ms": float(ck.iloc[-1]["mean_ms"]),
                 "tensile_ms": float(r["mean_ms"]), "bn_share": float(extra["bn_rerun_share_median"]),
                 "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),
@@ -82,7 +85,10 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
                 "allow_swaps": "allow_swaps=false" not in r["backend"],
                 "snapshot": snapshot_file(extra),   # beside the rows, or None
                 "commit": str(r["commit"])[:7], "date": str(r["date"])}
-    return None
+        if found["snapshot"] and (gpu_dir / found["snapshot"]).exists():
+            return found
+        fallback = fallback or found
+    return fallback
 
 
 def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:

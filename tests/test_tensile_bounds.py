@@ -88,3 +88,14 @@ def test_bad_arguments_are_refused(tmp_path):
         tensile_bounds.run_bounds(["no_such_model"], tmp_path, tmp_path)
     with pytest.raises(SystemExit):
         tensile_bounds.main(["--results", str(tmp_path)])           # no tensile.csv there
+
+
+def test_a_job_that_saved_its_snapshot_is_preferred_to_a_later_one_without(tmp_path):
+    gpu = gpu_rows(tmp_path / "h200", [
+        *job("a", "2026-11-30T04:00:00+00:00", ck_ms=3.7, snapshot_file="snapshot_tensile_a.json.gz"),
+        *job("b", "2026-12-01T04:00:00+00:00", ck_ms=3.8)])
+    # the snapshot is not beside the rows: the latest job, bounded on the CPU recording
+    assert tensile_bounds.equal_peak_job(gpu, "mobilenet_v2", 2)["builtin_ms"] == 3.8
+    (gpu / "snapshot_tensile_a.json.gz").write_bytes(b"")
+    found = tensile_bounds.equal_peak_job(gpu, "mobilenet_v2", 2)
+    assert found["builtin_ms"] == 3.7 and found["snapshot"] == "snapshot_tensile_a.json.gz"
