@@ -336,8 +336,7 @@ class Scheduler:
                 local["swap_cost_ms"] = (swap_cost_ms, 0.0)
             for name, (value, default) in local.items():
                 if value != default:
-                    raise ValueError(f"{name}={value!r} is an option of TENSILE's own planner "
-                                     "here; it does not apply with planner= or scheduler_socket")
+                    raise _not_for_this_planner(name, value)
         check_swap_cost(swap_cost_ms)
         check_swap_search(swap_search)
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
@@ -534,9 +533,7 @@ class Scheduler:
         if swap_search is not None:
             check_swap_search(swap_search)
             if self._planner_options() is None or self.client is not None:
-                raise ValueError(f"swap_search={swap_search!r} is an option of TENSILE's own "
-                                 "planner here; it does not apply with planner= or "
-                                 "scheduler_socket")
+                raise _not_for_this_planner("swap_search", swap_search)
             if not plan_for_graph:
                 raise ValueError(f"swap_search={swap_search!r} plans for the graph; it needs "
                                  "plan_for_graph=True")
@@ -819,6 +816,13 @@ class Scheduler:
             return record_step(self.model, self.optimizer, batch, self.loss_fn)
         finally:
             _restore(self.model, self.optimizer, snap)
+
+
+def _not_for_this_planner(name: str, value) -> ValueError:
+    """The error for an option of TENSILE's own planner given where another plans (a
+    ``planner=``, or a scheduler process)."""
+    return ValueError(f"{name}={value!r} is an option of TENSILE's own planner here; it does "
+                      "not apply with planner= or scheduler_socket")
 
 
 def _signature(batch: Sequence) -> list:

@@ -254,31 +254,28 @@ def _swap_search(run, tl: AccessTimeline, best: Plan, budget_bytes: int | None, 
     candidates = _search_candidates(tl, budget_bytes if budget_bytes is not None
                                     else best.peak_after, min_bytes)[:SWAP_SEARCH_WIDTH]
 
-    # a whole greedy run per try: tens of seconds on Inception-v4 (shown on a terminal)
-    bar = tqdm(desc="TENSILE swap search", unit="plan", disable=None, leave=False)
-
-    def attempt(chosen: frozenset[int], transient: bool) -> Plan:
-        bar.update()
-        return run(allow_swaps=False, transient=transient,
-                   pre_swaps=_in_forward_order(tl, chosen), swap_until=until)
-
     def swapped(p: Plan) -> frozenset[int]:   # those of a try that fitted on the channels
         return frozenset(s.sid for s in p.swaps)
-    for start in starts:
-        current, transient = min(((attempt(frozenset(start), t), t) for t in (True, False)),
-                                 key=lambda x: _rank(x[0], budget_bytes))
-        for _ in range(SWAP_SEARCH_ROUNDS):
-            chosen = swapped(current)
-            tries = [attempt(chosen ^ {sid}, transient)
-                     for sid in sorted(chosen) + [c for c in candidates if c not in chosen]]
-            if not tries:
-                break
-            p = min(tries, key=lambda r: (_rank(r, budget_bytes), sorted(swapped(r))))
-            if _rank(p, budget_bytes) >= _rank(current, budget_bytes):
-                break
-            current = p
-        best = min(best, current, key=lambda r: _rank(r, budget_bytes))
-    bar.close()
+    # a whole greedy run per try: tens of seconds on Inception-v4 (shown on a terminal)
+    with tqdm(desc="TENSILE swap search", unit="plan", disable=None, leave=False) as bar:
+        def attempt(chosen: frozenset[int], transient: bool) -> Plan:
+            bar.update()
+            return run(allow_swaps=False, transient=transient,
+                       pre_swaps=_in_forward_order(tl, chosen), swap_until=until)
+        for start in starts:
+            current, transient = min(((attempt(frozenset(start), t), t) for t in (True, False)),
+                                     key=lambda x: _rank(x[0], budget_bytes))
+            for _ in range(SWAP_SEARCH_ROUNDS):
+                chosen = swapped(current)
+                tries = [attempt(chosen ^ {sid}, transient)
+                         for sid in sorted(chosen) + [c for c in candidates if c not in chosen]]
+                if not tries:
+                    break
+                p = min(tries, key=lambda r: (_rank(r, budget_bytes), sorted(swapped(r))))
+                if _rank(p, budget_bytes) >= _rank(current, budget_bytes):
+                    break
+                current = p
+            best = min(best, current, key=lambda r: _rank(r, budget_bytes))
     return best
 
 
@@ -579,7 +576,7 @@ class PlanState:
         self.no_swap: frozenset[int] = frozenset()   # never swapped (see plan())
         self.gaps: dict[int, tuple[int, int] | None] = {}   # backward_gap, asked once
         self.rerun_ops: dict[int, tuple | None] = {}        # recompute_of's cache
-        self.score_bounds: dict[int, float | None] = {}    # _score_bound's, asked once
+        self.score_bounds: dict[int, float] = {}           # _score_bound's, asked once
         self.kept_hi: dict[int, int] = {}   # sources kept for recomputes: sid -> last op kept
         # swapped activations: sid -> an op after which a rebuild may read it, its copy-in
         # issued (:func:`recompute_of`) and done by the rebuild's start (:meth:`_add_swap`)
@@ -792,9 +789,7 @@ class PlanState:
         bound = self.score_bounds.get(sid)
         if bound is None:
             tl = self.tl
-            if sid not in self.rerun_ops:
-                self.rerun_ops[sid] = _rerun_ops(tl, sid, i)
-            ops = self.rerun_ops[sid]
+            ops = _cached_rerun_ops(tl, sid, i, self.rerun_ops)
             if ops is None:
                 bound = -float("inf")   # recompute_of: none
             elif any(not tl.tensors[src].persistent and tl.backward_gap(src) is None
@@ -1039,12 +1034,7 @@ def recompute_of(tl: AccessTimeline, sid: int, i: int, j: int, moved: set[int],
     what does not change between calls for one ``sid`` and ``i`` (a planner's rounds
     ask again and again).
     """
-    if cache is not None and sid in cache:
-        ops = cache[sid]
-    else:
-        ops = _rerun_ops(tl, sid, i)
-        if cache is not None:
-            cache[sid] = ops
+    ops = _cached_rerun_ops(tl, sid, i, cache) if cache is not None else _rerun_ops(tl, sid, i)
     if ops is None:
         return None
     prod, then, scratch, sources = ops
@@ -1069,6 +1059,14 @@ def _rerun_ms(tl: AccessTimeline, producer: int, then: list[int]) -> float:
     """The time of rerunning ``producer`` and then the in-place ops ``then`` (each op at its
     ``tl.rerun_share`` of its time where given)."""
     return float(sum(tl.op_ms[k] * tl.rerun_share.get(k, 1.0) for k in [producer, *then]))
+
+
+def _cached_rerun_ops(tl: AccessTimeline, sid: int, i: int,
+                      cache: dict[int, tuple | None]) -> tuple | None:
+    """:func:`_rerun_ops`, kept in ``cache`` by ``sid`` (for one ``i`` per ``sid``)."""
+    if sid not in cache:
+        cache[sid] = _rerun_ops(tl, sid, i)
+    return cache[sid]
 
 
 def _rerun_ops(tl: AccessTimeline, sid: int, i: int) -> tuple | None:
