@@ -680,18 +680,21 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
 
     def whole_steps(m: pd.DataFrame, p) -> pd.DataFrame:
         # whole steps on the whole GPU; a TENSILE budget (``budget=``) changes only TENSILE's
-        # and Capuchin's plans, so those runs' rows count too
+        # and Capuchin's plans, so those runs' rows count too; Adam, foreach or fused (every
+        # method of such a job ran the fused one)
         return m[(m["model"] == p["model"]) & (m["batch_size"] == p["batch_size"])
-                 & m["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?")]
+                 & m["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?(,opt=adam_fused)?")]
 
     for _, p in paper.iterrows():
         mine = whole_steps(metrics, p)
         # TENSILE's variants: tensile, tensile(max_overhead=...) against eager vanilla, and
         # tensile_graph(...) and streamed_graph(...) (the streamed optimizer alone) against
-        # the captured vanilla step (the same mode: host out of both)
+        # the captured vanilla step (the same mode: host out of both); a variant with fused
+        # Adam is its own, named so
         ours = _captured_against_graph(whole_steps(every, p))
         ours = ours[ours["method"].str.match(r"tensile($|\()|(tensile|streamed)_graph")
                     & ours["msr"].notna() & ours["eor"].notna()]
+        ours = ours.assign(method=ours["method"] + np.where(_fused_adam(ours), ", fused Adam", ""))
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
                 "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
                 "verdict": "not measured", "vs best built-in": ""}
@@ -710,6 +713,7 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
             line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
             k, n = (int(v) for v in runs.loc[t["method"]])
             line["verdict"] = _runs_verdict(k, n)
+            mine = mine[_fused_adam(mine) == t["method"].endswith(", fused Adam")]  # its optimizer
             builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
                             & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
             if len(builtins):
@@ -727,6 +731,11 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
             line["at a built-in's peak"] = _at_builtin_peaks(mine)
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def _fused_adam(rows: pd.DataFrame) -> pd.Series:
+    """Which rows' job trained with fused Adam (``opt=adam_fused`` in the mode)."""
+    return rows["mode"].astype(str).str.contains(r"(?:^|,)opt=adam_fused(?:,|$)")
 
 
 def _at_builtin_peaks(mine: pd.DataFrame) -> str:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from experiments.env import environment, gpu_slug, host_load
 from experiments.limit import cached_step_limit
+from experiments.optim import make_optimizer
 from experiments.store import ResultStore, row_key
 from experiments.timing import allocated_mb, measure, peak_memory
 from experiments.watchdog import stop_if_stuck
@@ -48,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO_ROOT / "conf"
 EXPERIMENTS = ("inference", "training", "tensile")
 TRAINING_MODES = ("fwd-bwd", "whole-step")
-OPTIMIZERS = ("sgd", "adam")
+TRAINING_OPTIMIZERS = ("sgd", "adam")   # experiment=training (experiments.optim has more)
 
 
 class ConfigError(ValueError):
@@ -103,8 +104,9 @@ def validate(cfg: DictConfig) -> None:
     if exp == "training":
         if cfg.experiment.mode not in TRAINING_MODES:
             raise ConfigError(f"experiment.mode={cfg.experiment.mode!r}; valid: {', '.join(TRAINING_MODES)}")
-        if cfg.experiment.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"experiment.optimizer={cfg.experiment.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if cfg.experiment.optimizer not in TRAINING_OPTIMIZERS:
+            raise ConfigError(f"experiment.optimizer={cfg.experiment.optimizer!r}; "
+                              f"valid: {', '.join(TRAINING_OPTIMIZERS)}")
     validate_model_and_batch(cfg, _models().MODELS)
     names = list(cfg.backends or [])
     if not names:
@@ -306,10 +308,7 @@ def write_trace(fn: Callable, inputs: tuple, path: Path, steps: int = 3) -> None
 def _optimizer(model: torch.nn.Module, cfg: DictConfig, capturable: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer; ``capturable`` Adam keeps its step count on the GPU."""
     exp = cfg.experiment
-    params = [p for p in model.parameters() if p.requires_grad]
-    if exp.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
-    return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
+    return make_optimizer(model, exp.optimizer, exp.lr, exp.momentum, capturable)
 
 
 def _step_limit(model: torch.nn.Module, inputs: tuple, cfg: DictConfig, median_ms: float) -> dict:

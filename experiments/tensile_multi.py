@@ -238,6 +238,7 @@ class Options:
     redo: bool = False
     arrive_every: int = 5
     captured: bool = False              # every job's step captured in a CUDA graph (--captured)
+    optimizer: str = "adam"             # every job's (experiments.optim): adam or adam_fused
     stream_optimizer: int = 0           # TENSILE's jobs: tensile.stream_optimizer groups (0: not)
     stream_prefetch: int = DEFAULT_PREFETCH   # ... its groups copied in ahead
     stream_resident: int | str = 0      # ... its first groups whose state stays on the device,
@@ -278,6 +279,8 @@ def _suffix(opts: Options) -> str:
         parts.append(f"mem={opts.memory_gb:g}GiB")
     if opts.captured:
         parts.append("captured")
+    if opts.optimizer != "adam":   # settings from before the option trained with adam
+        parts.append(f"opt={opts.optimizer}")
     if opts.stream_optimizer:
         from experiments.tensile_run import stream_label   # as experiment=tensile names them
         parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident,
@@ -516,6 +519,7 @@ def run_job(p: dict) -> dict:
     import torch
 
     from experiments import models
+    from experiments.optim import make_optimizer
     from experiments.tensile_run import _drop_aux_head, classification_loss
     from tensile import Scheduler, compact, training_step, trim_blas_workspace, trim_stack
     from tensile.resident import install_streamed
@@ -538,8 +542,7 @@ def run_job(p: dict) -> dict:
     model.to(p["device"])
     batch = (x.to(p["device"]), y.to(p["device"]))
     captured = p.get("captured", False)
-    opt = torch.optim.Adam([q for q in model.parameters() if q.requires_grad], lr=LR,
-                           capturable=captured)
+    opt = make_optimizer(model, p.get("optimizer", "adam"), LR, capturable=captured)
     outside = {"on_device": _outside_allocator_mb(cuda)}   # see _outside_allocator_mb
     sched = tuned = None
     if p["phase"] == "tensile":
@@ -839,6 +842,7 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "phase": phase, "device": opts.device, "batch": opts.batch, "warmup": opts.warmup,
             "image_size": opts.image_size, "memory_gb": opts.memory_gb, "rates": rates,
             "socket": None if sock is None else str(sock), "captured": opts.captured,
+            "optimizer": opts.optimizer,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
             "stream_chunk_mb": opts.stream_chunk_mb, "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
@@ -1513,6 +1517,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--captured", action="store_true",
                     help="every job's step captured in a CUDA graph (vanilla and TENSILE; "
                          "TENSILE's jobs re-capture when a new plan comes; cuda only)")
+    ap.add_argument("--optimizer", choices=("adam", "adam_fused"), default="adam",
+                    help="every job's optimizer: adam (default, PyTorch's foreach Adam, as the "
+                         "authors trained) or adam_fused (Adam(fused=True): the same update in "
+                         "one kernel per call; a streamed optimizer calls it once per group)")
     ap.add_argument("--stream-optimizer", type=int, default=0, metavar="GROUPS",
                     help="TENSILE's jobs update in backward with Adam's state streamed from "
                          "host memory (tensile.stream_optimizer) in GROUPS groups (default 0: not)")
@@ -1621,7 +1629,8 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    max_overhead=args.max_overhead,
                    memory_gb=args.memory_gb, gpu_index=args.gpu_index, timeout_s=args.timeout,
                    results_dir=args.results_dir, redo=args.redo, arrive_every=args.arrive_every,
-                   captured=args.captured, stream_optimizer=args.stream_optimizer,
+                   captured=args.captured, optimizer=args.optimizer,
+                   stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
                    stream_overhead=args.stream_overhead, stream_chunk_mb=args.stream_chunk,
                    mps=args.mps, trim_stack=args.trim_stack,

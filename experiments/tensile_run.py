@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import ListConfig, OmegaConf
 
+from experiments.optim import OPTIMIZERS, make_optimizer
 from experiments.run import RUN_ID, ConfigError, validate_model_and_batch, write_trace
 from experiments.timing import summarize_ms
 from experiments.store import ResultStore, date_stamp, file_slug, row_key
@@ -73,7 +74,6 @@ AGAINST_GRAPH = ("tensile_graph", "checkpoint_graph", "streamed_graph")
 STREAMED = ("tensile_graph", "streamed_graph")   # take the stream_* options
 PLANNED = ("tensile", "tensile_graph")  # TENSILE's own planner: budget and max_overhead apply
 RATED = (*SCHEDULED, "tensile_graph")   # planned with this machine's measured rates
-OPTIMIZERS = ("adam", "sgd")
 
 
 # --------------------------------------------------------------------------- configuration
@@ -287,6 +287,8 @@ def setting(exp) -> str:
         parts.append("uncapped-setup")
     if expandable_segments():
         parts.append("expandable")   # the allocator maps pages as needed: less fragmentation
+    if exp.optimizer != "adam":     # rows from before this option trained with adam
+        parts.append(f"opt={exp.optimizer}")
     return ",".join(parts)
 
 
@@ -463,10 +465,7 @@ def _drop_aux_head(model: torch.nn.Module) -> torch.nn.Module:
 
 def _optimizer(model: torch.nn.Module, exp, capturable: bool = False) -> torch.optim.Optimizer:
     """``capturable``: Adam keeps its step count on the device (a CUDA graph needs that)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if exp.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=exp.lr, momentum=exp.momentum)
-    return torch.optim.Adam(params, lr=exp.lr, capturable=capturable)
+    return make_optimizer(model, exp.optimizer, exp.lr, exp.momentum, capturable)
 
 
 def _release(device: str) -> None:

@@ -59,7 +59,7 @@ from .trace import OpRecorder, _snapshot, _tensors, check_same_ops
 
 __all__ = ["TrainingCapture", "WholeStep", "ConvBackwardSplitter", "trace_training_forward",
            "faster_whole_step", "save_step_state", "put_back_step_state", "step_state_kept",
-           "check_capturable"]
+           "check_capturable", "is_capturable"]
 
 
 def trace_training_forward(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> TaskGraph:
@@ -510,10 +510,21 @@ def faster_whole_step(nimble, inputs: tuple[torch.Tensor, ...], target: torch.Te
     return winner
 
 
+def is_capturable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` runs on the device alone, so a CUDA graph can hold it:
+    optimizers without a step count on the host (SGD), and Adam-family ones created with
+    ``capturable=True`` or ``fused=True`` (both keep the step count on the device)."""
+    if "capturable" not in optimizer.defaults:
+        return True
+    return all(g.get("capturable") or g.get("fused") for g in optimizer.param_groups)
+
+
 def check_capturable(optimizer: torch.optim.Optimizer) -> None:
-    """Adam-family optimizers step on the host unless ``capturable=True``: refuse them."""
+    """Adam-family optimizers step on the host unless ``capturable=True`` (or ``fused=True``):
+    refuse them."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if "capturable" in optimizer.defaults and not all(g.get("capturable") for g in optimizer.param_groups):
+    if not is_capturable(optimizer):
         raise ValueError(f"{type(optimizer).__name__}.step() reads its step count on the host; "
-                         f"create it with capturable=True to capture it in a CUDA graph")
+                         f"create it with capturable=True (or fused=True) to capture it in a "
+                         f"CUDA graph")

@@ -19,8 +19,8 @@ the captured step's peak. Inputs are copied into static tensors before every rep
 ``GraphStep.replay_ms()`` times the captured step (``Scheduler.capture`` plans for that time).
 
 Limits: the graph keeps the plan it was captured with (no re-plan, no drift test); the
-optimizer must be capturable (``Adam(..., capturable=True)``); the loss it returns is
-overwritten by the next replay. A graph captured before :func:`tensile.trim_stack`,
+optimizer must be capturable (``Adam(..., capturable=True)`` or ``fused=True``); the loss it
+returns is overwritten by the next replay. A graph captured before :func:`tensile.trim_stack`,
 :func:`tensile.compact` or :func:`tensile.trim_blas_workspace` is ``stale`` and refuses to
 replay (its kernels keep the stack size of their capture and fault after a trim,
 :mod:`tensile.stack`; it keeps the addresses of tensors a compaction moved,

@@ -112,8 +112,8 @@ def step_op_profile(model: nn.Module, optimizer: torch.optim.Optimizer, batch: S
     """Single-stream GPU time (ms) of every counted op of one training step, in op order, and
     the bytes each held only while it ran (module notes).
 
-    The optimizer must be capturable (SGD; Adam with ``capturable=True``): the step is
-    captured into a CUDA graph, after a warm-up step on a side stream (as
+    The optimizer must be capturable (SGD; Adam with ``capturable=True`` or ``fused=True``):
+    the step is captured into a CUDA graph, after a warm-up step on a side stream (as
     ``torch.cuda.graph`` requires). The capture resets the device's peak memory statistics
     (``torch.cuda.reset_peak_memory_stats``) around every op: a peak read across this call
     is lost. A model on the CPU gets each op's wall time instead (median over ``repeats``

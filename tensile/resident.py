@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from nimble.capture import _event_gap_ms
-from nimble.training import step_state_kept
+from nimble.training import is_capturable, step_state_kept
 
 from .estimate import measure_copy_bandwidth
 from .graph import GraphStep, warmup_stream
@@ -146,7 +146,7 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
     with step_state_kept(model, streamed.optimizer):   # the timed steps train
         if not streamed.cuda:
             runs = [_cpu_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
-        elif _capturable(streamed.optimizer):
+        elif is_capturable(streamed.optimizer):
             runs = _graph_marks(streamed, model, batch, loss_fn, repeats)
         else:
             runs = [_event_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
@@ -181,7 +181,7 @@ def tune_resident(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence
                 jobs=jobs)
     chosen = k = choose_resident(times, max_overhead=max_overhead, **link)
     measured: dict[int, float] = {}
-    if verify and streamed.cuda and _capturable(streamed.optimizer) and k < len(streamed.groups):
+    if verify and streamed.cuda and is_capturable(streamed.optimizer) and k < len(streamed.groups):
         k, base_ms, measured = _verified(streamed, model, batch, loss_fn, k, max_overhead)
     streamed.set_resident(k)
     streamed.tuned = {"resident": k, "jobs": jobs, "max_overhead": max_overhead,
@@ -243,10 +243,6 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 
 # --------------------------------------------------------------------------- timing
-
-def _capturable(optimizer: torch.optim.Optimizer) -> bool:
-    return all(g.get("capturable", False) for g in optimizer.param_groups)
-
 
 def _cpu_marks(streamed, model, batch, loss_fn) -> list[float]:
     """begin, each group's update, end: wall ms from the step's start (CPU ops are synchronous)."""

@@ -553,3 +553,19 @@ def test_one_device_and_the_current_one_are_required():
         check_one_device({torch.device("cuda:1")}, current=0)
     with pytest.raises(NimbleError, match="one CUDA device"):
         check_one_device({torch.device("cuda:0"), torch.device("cuda:1")}, current=0)
+
+
+def test_an_optimizer_is_capturable_when_its_step_count_stays_on_the_device():
+    """SGD keeps no step count; Adam keeps it on the host unless capturable or fused (then on
+    the device, so a CUDA graph can hold the update); every param group must say so."""
+    from nimble.training import check_capturable, is_capturable
+    lin, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    assert is_capturable(torch.optim.SGD(lin.parameters(), lr=0.1))
+    assert not is_capturable(torch.optim.Adam(lin.parameters()))
+    assert is_capturable(torch.optim.Adam(lin.parameters(), capturable=True))
+    assert is_capturable(torch.optim.Adam(lin.parameters(), fused=True))
+    mixed = torch.optim.Adam([{"params": lin.parameters(), "capturable": True},
+                              {"params": other.parameters()}])
+    assert not is_capturable(mixed)
+    with pytest.raises(ValueError, match=r"capturable=True \(or fused=True\)"):
+        check_capturable(mixed)

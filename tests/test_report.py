@@ -206,8 +206,9 @@ def test_smoke_rule_follows_each_experiments_protocol():
     assert report._is_smoke(df).tolist() == [False, True, True]
 
 
-def _tensile_row(store, method, mean_ms, peak_mb, msr, eor, model="resnet50", iters=50, **extra):
-    store.append(dict(experiment="tensile", mode="whole-step", model=model, backend=method,
+def _tensile_row(store, method, mean_ms, peak_mb, msr, eor, model="resnet50", iters=50,
+                 mode="whole-step", **extra):
+    store.append(dict(experiment="tensile", mode=mode, model=model, backend=method,
                       batch_size=16, status="ok", device="cuda", gpu="NVIDIA H200", warmup=5,
                       iters=iters, mean_ms=mean_ms, median_ms=mean_ms, peak_mem_mb=peak_mb,
                       extra={"msr": msr, "eor": eor, **extra}))
@@ -272,6 +273,35 @@ def test_tensile_section_gives_verdicts_against_the_authors(tmp_path):
     assert v.loc["vgg16", "verdict"] == "not reproduced"
     text = report.write_report(tmp_path / "h200").read_text()
     assert "## TENSILE" in text and "Speedup over eager" not in text
+
+
+def test_a_fused_adam_job_is_a_variant_of_its_own_beside_its_own_built_ins(tmp_path):
+    """Rows of a job with fused Adam (mode ``whole-step,opt=adam_fused``) count against the
+    authors' figures as their own variant, named so, and are compared with the built-ins of
+    their own job only; SGD jobs do not count (the authors trained with Adam)."""
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    label = "tensile_graph(match_msr=0.647,stream_optimizer=16)"   # paper Inception-v4: .652 / .157
+    fused, sgd = "whole-step,opt=adam_fused", "whole-step,opt=sgd"
+    for run_id, mode, eor in (("a", "whole-step", 0.089), ("b", fused, 0.075), ("c", fused, 0.070),
+                              ("d", sgd, 0.01)):
+        _tensile_row(store, "vanilla", 30.0, 2000.0, 0.0, 0.0, model="inception_v4", mode=mode, run_id=run_id)
+        _tensile_row(store, "graph", 23.0, 2000.0, 0.0, -0.2, model="inception_v4", mode=mode, run_id=run_id)
+        _tensile_row(store, label, 23.0 * (1 + eor), 700.0, 0.65, -0.1, model="inception_v4", mode=mode,
+                     run_id=run_id, msr_vs_graph=0.65, eor_vs_graph=eor)
+    # a built-in of the foreach job at a lower peak, and one of the fused job
+    _tensile_row(store, "checkpoint_graph", 40.0, 690.0, 0.66, 0.3, model="inception_v4", run_id="a")
+    _tensile_row(store, "checkpoint_graph", 30.0, 650.0, 0.67, 0.3, model="inception_v4", mode=fused,
+                 run_id="c")
+    paper = pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")
+    latest, every = (report.tensile_metrics(report.load_rows(tmp_path / "h200", every_row=e))
+                     for e in (False, True))
+    v = report.tensile_verdicts(latest, paper, every).set_index("model").loc["inception_v4"]
+    assert v["method"] == label + " vs graph, fused Adam"
+    assert v["verdict"] == "reproduced" and (v["MSR"], v["EOR"]) == (0.65, 0.07)   # runs b and c
+    # the fused job's built-in (30 / 24.61 ms), not the foreach one's (40 ms, 1.63x)
+    assert v["vs best built-in"] == "1.22x (checkpoint_graph)"
+    assert v["at a built-in's peak"] == "captured: none reaches checkpoint_graph's peak"
 
 
 def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):

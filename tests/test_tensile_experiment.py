@@ -127,6 +127,42 @@ def test_an_overhead_allowance_is_a_tensile_variant_of_its_own(small, tmp_path):
     assert rows["tensile"]["mode"] == rows["tensile(max_overhead=0.2)"]["mode"] == "whole-step"
 
 
+def test_fused_adam_trains_every_method_of_the_job_and_names_the_mode(small, tmp_path, monkeypatch):
+    """experiment.optimizer=adam_fused: every method's optimizer is Adam(fused=True), and the
+    rows' mode says so (a separate setting from the foreach rows, which stay as they were)."""
+    made = []
+    real = tensile_run.make_optimizer
+
+    def spy(model, name, *args, **kwargs):
+        made.append(real(model, name, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tensile_run, "make_optimizer", spy)
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]"))
+    run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.optimizer=adam_fused"))
+    rows = read_rows(tmp_path / "cpu" / "tensile.csv")
+    assert sorted((r["backend"], r["mode"]) for r in rows) == [
+        ("tensile", "whole-step"), ("tensile", "whole-step,opt=adam_fused"),
+        ("vanilla", "whole-step"), ("vanilla", "whole-step,opt=adam_fused")]
+    assert all(r["status"] == "ok" for r in rows)
+    fused = [all(g["fused"] for g in o.param_groups) for o in made]
+    assert fused[:2] == [False, False] and fused[2:] == [True, True]
+    assert all(isinstance(o, torch.optim.Adam) for o in made)
+
+
+def test_make_optimizer_builds_each_name_and_refuses_others():
+    from experiments.optim import OPTIMIZERS, make_optimizer
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)   # only what trains
+    made = {name: make_optimizer(model, name, 0.01, capturable=True) for name in OPTIMIZERS}
+    assert type(made["sgd"]) is torch.optim.SGD and made["sgd"].defaults["momentum"] == 0.9
+    assert made["adam"].defaults["fused"] is None and made["adam"].defaults["capturable"]
+    assert made["adam_fused"].defaults["fused"] is True
+    assert all(len(o.param_groups[0]["params"]) == 3 for o in made.values())
+    with pytest.raises(ValueError, match="expected one of sgd, adam, adam_fused, got 'lbfgs'"):
+        make_optimizer(model, "lbfgs", 0.01)
+
+
 def test_batch_norm_from_stats_reaches_the_runtime(small, tmp_path, monkeypatch):
     from tensile import runtime
     flags = []
@@ -323,7 +359,7 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.budget=-3"], "budget must be null"),
     (["experiment.memory_gb=16"], "need device=cuda"),
     (["experiment.methods=[vanilla,tensile_graph]"], r"\['tensile_graph'\] capture CUDA graphs: they need device=cuda"),
-    (["experiment.optimizer=lbfgs"], "valid: adam, sgd"),
+    (["experiment.optimizer=lbfgs"], "valid: sgd, adam, adam_fused"),
     (["experiment.activation_memory_budget=2"], r"activation_memory_budget must be in \[0, 1\]"),
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
@@ -551,6 +587,10 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
     assert tensile_run.method_label("tensile_graph", mp) == "tensile_graph(match_peak=checkpoint_graph)"
     assert tensile_run.method_label("tensile", mp) == "tensile"   # captured only
     assert tensile_run.setting(mp) == "whole-step"   # beside the other whole-step rows
+    fused = _compose(["experiment=tensile", "experiment.optimizer=adam_fused"]).experiment
+    assert tensile_run.setting(fused) == "whole-step,opt=adam_fused"
+    sgd = _compose(["experiment=tensile", "experiment.optimizer=sgd"]).experiment
+    assert tensile_run.setting(sgd) == "whole-step,opt=sgd"
     msr = _compose(["experiment=tensile", "experiment.match_msr=0.5"]).experiment
     assert tensile_run.method_label("tensile_graph", msr) == "tensile_graph(match_msr=0.5)"
     bn = _compose(["experiment=tensile", "experiment.batch_norm_from_stats=true"]).experiment

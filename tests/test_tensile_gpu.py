@@ -178,12 +178,14 @@ def _captured_vanilla(data, width: int, factory=make_cnn):
 
 
 def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0,
-                      time_copies: bool = False, stream_kwargs: dict | None = None, **sched_kwargs):
+                      time_copies: bool = False, stream_kwargs: dict | None = None,
+                      fused: bool | None = None, **sched_kwargs):
     """Two ordinary scheduled steps, then the planned step captured and replayed over the rest
     (``stream_groups``: with ``tensile.stream_optimizer`` in that many groups and
-    ``stream_kwargs``; ``time_copies``: timing events around the graph's copies)."""
+    ``stream_kwargs``; ``time_copies``: timing events around the graph's copies; ``fused``:
+    Adam's fused kernel)."""
     model = factory(width=width)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, fused=fused)
     if stream_groups:
         tensile.stream_optimizer(opt, groups=stream_groups, **(stream_kwargs or {}))
     sched_kwargs.setdefault("allow_cross_iteration", False)   # a graph keeps their addresses
@@ -197,9 +199,9 @@ def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0
     return model, opt, sched, graph
 
 
-def _eager(data, width: int, factory=make_cnn):
+def _eager(data, width: int, factory=make_cnn, fused: bool | None = None):
     model = factory(width=width)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, fused=fused)
     for b in data:
         training_step(model, opt, b, nn.functional.cross_entropy)
     torch.cuda.synchronize()
@@ -260,6 +262,23 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     for a, b in zip(expected, states(model, opt)):
         assert torch.equal(a, b.cpu()), "the streamed step differs from plain eager Adam"
     assert streamed_peak <= vanilla_peak - moment_bytes / 2
+
+
+def test_fused_adam_streamed_planned_and_captured_trains_exactly_like_eager_fused_adam():
+    """Adam(fused=True) (``experiment.optimizer=adam_fused``): one update kernel per group, the
+    step count on the device. Streamed in four groups, planned (swaps) and captured, the step
+    trains bit for bit like plain eager fused Adam: the fused kernel is elementwise, so
+    updating a group at a time changes nothing."""
+    data = batches(8)
+    m0, o0 = _eager(data, 32, fused=True)
+    m1, o1, sched, _ = _captured_tensile(data, 32, stream_groups=4, fused=True,
+                                         allow_recompute=False, d2h_bw=1e12, h2d_bw=1e12)
+    names = [n.name for n in sched.recording.graph.nodes]
+    groups = len(o1._tensile_streamed.groups)
+    assert names.count("aten._fused_adam_.default") == groups > 1   # a kernel per group
+    assert sched.plan.swaps
+    for a, b in zip(states(m0, o0), states(m1, o1), strict=True):
+        assert torch.equal(a, b), "the streamed fused step differs from eager fused Adam"
 
 
 def test_a_streamed_steps_timeline_counts_the_slots_it_holds_past_their_copies_out():

@@ -197,8 +197,9 @@ def test_dynamic_arrivals_and_an_early_leaver(tmp_path):
 def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     """--stream-optimizer: TENSILE's jobs update in backward with Adam's moments in host
     memory; with --stream-resident auto each job chooses its resident groups for the
-    setting's two jobs on one link (tensile.tune_resident); both phases finish."""
-    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
+    setting's two jobs on one link (tensile.tune_resident); both phases finish. Here with
+    --optimizer adam_fused (every job of both phases; the setting names it)."""
+    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2", "--optimizer", "adam_fused",
             "--stream-optimizer", "4", "--stream-prefetch", "2", "--stream-resident", "auto",
             "--stream-overhead", "0.1", "--stream-chunk", "0.01", "--compact", "tensile",
             "--results-dir", str(tmp_path), *SMOKE]
@@ -207,7 +208,7 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
     assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
     for name, r in rows.items():
         assert r["status"] == "ok", (name, r["reason"])
-        assert r["mode"] == ("copies:mobilenet_v2x2,img=32,stream_optimizer=4,stream_prefetch=2,"
+        assert r["mode"] == ("copies:mobilenet_v2x2,img=32,opt=adam_fused,stream_optimizer=4,stream_prefetch=2,"
                              "stream_resident=auto,stream_overhead=0.1,stream_chunk=0.01,"
                              "compact=tensile")
     n_params = len(list(models.build_model("mobilenet_v2", num_classes=10).parameters()))
@@ -239,6 +240,10 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     assert [s.label for s in shared] == ["copies:vgg16x2,captured,mps"]
     trimmed = tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224, trim_stack="all"))
     assert [s.label for s in trimmed] == ["copies:vgg16x1,trim_stack=all"]
+    fused = tm.build_settings("copies", ["vgg16"], [1], tm.Options(image_size=224, optimizer="adam_fused"))
+    assert [s.label for s in fused] == ["copies:vgg16x1,opt=adam_fused"]
+    assert tm._payload(fused[0].jobs[0], fused[0], "vanilla", tm.Options(optimizer="adam_fused"),
+                       {}, None)["optimizer"] == "adam_fused"
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)   # read first: it would hide the next
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the jobs inherit it
     assert [s.label for s in tm.build_settings("copies", ["vgg16"], [1],
@@ -426,6 +431,8 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "copies", "--stream-optimizer", "4", "--stream-chunk", "0"],
      ["expected a positive number, got '0'"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
+    (["--scenario", "copies", "--optimizer", "sgd"],
+     ["--optimizer: invalid choice: 'sgd'", "adam_fused"]),   # quoting differs by Python
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
     (["--scenario", "copies", "--max-overhead", "1.5"], ["--max-overhead must be a share of the "
                                                          "iteration time in [0, 1), got 1.5"]),

@@ -453,9 +453,10 @@ def test_capturing_a_step_is_refused_where_it_cannot_work():
     model = make_cnn()
     with pytest.raises(ValueError, match="create it with capturable=True"):
         tensile.GraphStep(lambda b, c: None, batches(1)[0], model, torch.optim.Adam(model.parameters()))
-    with pytest.raises(ValueError, match="a CUDA graph needs a CUDA model; the model is on cpu"):
-        tensile.GraphStep(lambda b, c: None, batches(1)[0], model,
-                          torch.optim.Adam(model.parameters(), capturable=True))
+    for graph_safe in ({"capturable": True}, {"fused": True}):   # step count on the device
+        with pytest.raises(ValueError, match="a CUDA graph needs a CUDA model; the model is on cpu"):
+            tensile.GraphStep(lambda b, c: None, batches(1)[0], model,
+                              torch.optim.Adam(model.parameters(), **graph_safe))
     with pytest.raises(ValueError, match="tensile_graph captures a CUDA graph: it needs a CUDA model"):
         tensile.make_method("tensile_graph", model, torch.optim.Adam(model.parameters()),
                             nn.functional.cross_entropy, batches(1)[0], simulate=True)

@@ -65,11 +65,12 @@ def train_plain(data, **adam):
     return model, opt
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it(prefetch):
+def test_updates_in_backward_train_bit_for_bit_like_one_step_after_it(prefetch, fused):
     data = batches(6)
-    m0, o0 = train_plain(data, weight_decay=0.01)
-    model, opt, streamed = streamed_model(3, prefetch=prefetch, weight_decay=0.01)
+    m0, o0 = train_plain(data, weight_decay=0.01, fused=fused)
+    model, opt, streamed = streamed_model(3, prefetch=prefetch, weight_decay=0.01, fused=fused)
     for b in data:
         training_step(model, opt, b, LOSS)
     assert len(streamed.groups) == 3
@@ -153,15 +154,17 @@ def test_bad_groups_twice_and_a_closure_are_refused():
         opt.step(lambda: 0.0)
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("chunk", [None, 1 / 1024], ids=["whole", "sliced"])
-def test_a_scheduler_plans_and_runs_the_streamed_step_exactly(chunk):
+def test_a_scheduler_plans_and_runs_the_streamed_step_exactly(chunk, fused):
     """The step TENSILE records has the updates and copies in backward and no optimizer state
     among its device tensors; planned and run (simulation), it trains like the plain step,
-    also with its updates on 1 KiB slices (the 2.3 KiB conv weights sliced)."""
+    also with its updates on 1 KiB slices (the 2.3 KiB conv weights sliced), and with fused
+    Adam (one update kernel per call) as with the foreach one."""
     data = batches(8)
-    m0, o0 = train_plain(data)
+    m0, o0 = train_plain(data, fused=fused)
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
     streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, update_chunk_mb=chunk)
     sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
                               allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
@@ -178,6 +181,9 @@ def test_a_scheduler_plans_and_runs_the_streamed_step_exactly(chunk):
     assert sched.plan.swaps and sched.runner.stats.swap_ins > 0
     assert streamed.updates_in_backward == 3 * len(data)      # the recording's step, then 7
     assert_same_training(m0, o0, model, opt)
+    # fused: one update op per call (a group, or a slice of a parameter); else none
+    fused_calls = sum(n.name == "aten._fused_adam_.default" for n in nodes)
+    assert fused_calls >= len(streamed.groups) if fused else fused_calls == 0
 
 
 def test_more_prefetch_holds_more_state_on_the_device():
@@ -325,7 +331,8 @@ def _wide_batches(n: int):
     lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
     lambda ps: torch.optim.AdamW(ps, lr=1e-2),
     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-], ids=["adam", "amsgrad", "adamw", "sgd"])
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, fused=True),
+], ids=["adam", "amsgrad", "adamw", "sgd", "adam_fused"])
 @pytest.mark.parametrize("resident", [0, 3])
 def test_a_chunked_update_trains_bit_for_bit_and_steps_on_at_most_the_chunk(make_opt, resident):
     """``update_chunk_mb``: every call of the optimizer's own step takes at most that many
