@@ -24,6 +24,7 @@ runtime runs in its simulation mode: a smoke test of the whole path.
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import math
 import sys
@@ -709,8 +710,29 @@ def step_census(call: Callable[[tuple], None], batch: tuple, steps: int = 10) ->
             "census_copy_ms": round(found.copy_ms, 4), "census_busy_ms": round(found.busy_ms, 4),
             "census_compute_busy_ms": round(found.compute_busy_ms, 4),
             "census_span_ms": round(found.span_ms, 4),
-            "census_by_name": {name[:120]: [round(n, 2), round(us, 2)]
-                               for name, (n, us) in found.by_name.items() if us >= CENSUS_MIN_US}}
+            "census_by_name": census_by_name(found.by_name)}
+
+
+# a kernel name longer than this is cut, a short hash of the whole name ending the cut
+CENSUS_NAME_CHARS = 120
+
+
+def census_by_name(by_name: dict[str, tuple[float, float]]) -> dict[str, list[float]]:
+    """Launches and us per step of every kernel name taking at least ``CENSUS_MIN_US``.
+
+    A name over :data:`CENSUS_NAME_CHARS` characters is cut there and ends with a hash of the
+    whole name: templated kernels often differ only past the cut (at::native's elementwise
+    kernels of add, mul, ... share their first 120 characters), and cut alone they would
+    share one key, the last of them overwriting the others (rows before this fix)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, (n, us) in by_name.items():
+        key = name
+        if len(name) > CENSUS_NAME_CHARS:
+            digest = hashlib.blake2s(name.encode(), digest_size=4).hexdigest()
+            key = f"{name[:CENSUS_NAME_CHARS - len(digest) - 1]}…{digest}"
+        k, u = out.get(key, (0.0, 0.0))
+        out[key] = (k + n, u + us)
+    return {key: [round(n, 2), round(us, 2)] for key, (n, us) in out.items() if us >= CENSUS_MIN_US}
 
 
 def warm_capture_streams(device: str) -> None:

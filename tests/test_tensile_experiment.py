@@ -150,6 +150,18 @@ def test_fused_adam_trains_every_method_of_the_job_and_names_the_mode(small, tmp
     assert all(isinstance(o, torch.optim.Adam) for o in made)
 
 
+def test_census_keeps_kernels_apart_that_differ_past_the_names_cut():
+    stem = "void at::native::elementwise_kernel<128, 2, " + "x" * 100
+    add, mul = stem + "CUDAFunctor_add<float>", stem + "MulFunctor<float>"
+    by_name = tensile_run.census_by_name({add: (898.0, 1795.7), mul: (70.0, 327.4),
+                                          "conv": (3.0, 50.0), "tiny": (1.0, 0.5)})
+    assert len(by_name) == 3 and "tiny" not in by_name        # under CENSUS_MIN_US
+    assert by_name["conv"] == [3.0, 50.0]
+    long_keys = sorted(k for k in by_name if k != "conv")
+    assert all(len(k) == tensile_run.CENSUS_NAME_CHARS and k.startswith(stem[:100]) for k in long_keys)
+    assert sorted(by_name[k][0] for k in long_keys) == [70.0, 898.0]   # neither overwrote the other
+
+
 def test_make_optimizer_builds_each_name_and_refuses_others():
     from experiments.optim import OPTIMIZERS, make_optimizer
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
