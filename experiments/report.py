@@ -679,11 +679,8 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
     every = metrics if every is None else every
 
     def whole_steps(m: pd.DataFrame, p) -> pd.DataFrame:
-        # whole steps on the whole GPU; a TENSILE budget (``budget=``) changes only TENSILE's
-        # and Capuchin's plans, so those runs' rows count too; Adam, foreach or fused (every
-        # method of such a job ran the fused one)
         return m[(m["model"] == p["model"]) & (m["batch_size"] == p["batch_size"])
-                 & m["mode"].astype(str).str.fullmatch(r"whole-step(,budget=[^,]+)?(,opt=adam_fused)?")]
+                 & m["mode"].astype(str).str.fullmatch(AUTHORS_MODES)]
 
     for _, p in paper.iterrows():
         mine = whole_steps(metrics, p)
@@ -694,7 +691,7 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
         ours = _captured_against_graph(whole_steps(every, p))
         ours = ours[ours["method"].str.match(r"tensile($|\()|(tensile|streamed)_graph")
                     & ours["msr"].notna() & ours["eor"].notna()]
-        ours = ours.assign(method=ours["method"] + np.where(_fused_adam(ours), ", fused Adam", ""))
+        ours = _name_fused_adam(ours)
         line = {"model": p["model"], "batch": int(p["batch_size"]), "paper MSR": p["msr"],
                 "paper EOR": p["eor"], "method": "", "MSR": None, "EOR": None,
                 "verdict": "not measured", "vs best built-in": ""}
@@ -713,7 +710,7 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
             line.update({"method": t["method"], "MSR": round(t["msr"], 3), "EOR": round(t["eor"], 3)})
             k, n = (int(v) for v in runs.loc[t["method"]])
             line["verdict"] = _runs_verdict(k, n)
-            mine = mine[_fused_adam(mine) == t["method"].endswith(", fused Adam")]  # its optimizer
+            mine = mine[_fused_adam(mine) == t["method"].endswith(FUSED_ADAM)]  # its optimizer
             builtins = mine[mine["method"].isin(BUILTIN_MEMORY_METHODS)
                             & (mine["peak_mem_mb"] <= t["peak_mem_mb"])]
             if len(builtins):
@@ -733,9 +730,22 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
     return pd.DataFrame(lines)
 
 
+# the modes of rows judged against the TENSILE authors' single-job figures: whole steps on the
+# whole GPU; a TENSILE budget (``budget=``) changes only TENSILE's and Capuchin's plans; Adam,
+# foreach (the authors') or fused (``opt=adam_fused``: every method of that job), not SGD
+AUTHORS_MODES = r"whole-step(,budget=[^,]+)?(,opt=adam_fused)?"
+FUSED_ADAM = ", fused Adam"   # how a variant of a fused-Adam job is named
+
+
 def _fused_adam(rows: pd.DataFrame) -> pd.Series:
     """Which rows' job trained with fused Adam (``opt=adam_fused`` in the mode)."""
     return rows["mode"].astype(str).str.contains(r"(?:^|,)opt=adam_fused(?:,|$)")
+
+
+def _name_fused_adam(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with :data:`FUSED_ADAM` after the method of each fused-Adam job's row: a
+    variant of its own, never counted with the foreach runs of the same method."""
+    return rows.assign(method=rows["method"] + np.where(_fused_adam(rows), FUSED_ADAM, ""))
 
 
 def _at_builtin_peaks(mine: pd.DataFrame) -> str:
@@ -879,7 +889,9 @@ def tensile_authors_saving_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.
     reached the saving (``saved``: the captured peak at most the target) and how many met
     the whole target. ``rows``: :func:`load_rows` with ``every_row``."""
     metrics = tensile_metrics(rows)
-    metrics = _captured_against_graph(metrics[metrics["method"].str.contains("match_msr=", regex=False)])
+    metrics = metrics[metrics["method"].str.contains("match_msr=", regex=False)
+                      & metrics["mode"].astype(str).str.fullmatch(AUTHORS_MODES)]
+    metrics = _name_fused_adam(_captured_against_graph(metrics))
     lines = []
     theirs = paper.set_index(["model", "batch_size"])
     for (model, batch, method), g in metrics.groupby(["model", "batch_size", "method"], sort=False):

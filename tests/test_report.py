@@ -302,6 +302,12 @@ def test_a_fused_adam_job_is_a_variant_of_its_own_beside_its_own_built_ins(tmp_p
     # the fused job's built-in (30 / 24.61 ms), not the foreach one's (40 ms, 1.63x)
     assert v["vs best built-in"] == "1.22x (checkpoint_graph)"
     assert v["at a built-in's peak"] == "captured: none reaches checkpoint_graph's peak"
+    table = report.tensile_authors_saving_table(report.load_rows(tmp_path / "h200", every_row=True),
+                                                paper).set_index("variant")
+    variant = "(match_msr=0.647,stream_optimizer=16)"
+    assert list(table.index) == [variant, variant + ", fused Adam"]   # the SGD run left out
+    assert table.loc[variant, ["runs", "verdict"]].tolist() == [1, "not reproduced"]
+    assert table.loc[variant + ", fused Adam", ["runs", "verdict"]].tolist() == [2, "reproduced"]
 
 
 def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
