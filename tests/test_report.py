@@ -461,6 +461,15 @@ def test_equal_peak_table_pairs_each_match_with_its_own_jobs_built_in(tmp_path):
     assert (t.iloc[-2]["priced ms"], t.iloc[-2]["bound ms"]) == (0.52, 0.33)
     assert t.iloc[-2]["planned MiB"] == 925.0 and pd.isna(t.iloc[-1]["planned MiB"])
     assert (t.iloc[-1]["priced ms"], t.iloc[-1]["bound ms"]) == (0.6, 0.41)
+    # a fused-Adam job: its own built-in, and its line names the optimizer
+    fused = "whole-step,opt=adam_fused"
+    _tensile_row(store, "graph", 9.0, 1700.0, 0.0, -0.5, run_id="p3", mode=fused)
+    _tensile_row(store, "checkpoint_graph", 11.5, 950.0, 0.44, -0.35, run_id="p3", mode=fused)
+    _tensile_row(store, label, 9.5, 940.0, 0.45, -0.4, run_id="p3", mode=fused,
+                 match_peak="checkpoint_graph", match_target_mb=950.0, match_met=True)
+    last = report.tensile_equal_peak_table(report.load_rows(tmp_path / "h200", every_row=True)).iloc[-1]
+    assert last["TENSILE"] == label + ", fused Adam" and t.iloc[-2]["TENSILE"] == label
+    assert (last["built-in ms"], last["graph ms"], last["verdict"]) == (11.5, 9.0, "met")
 
 
 def test_tensile_plan_check_sets_each_plans_assumptions_beside_the_measurement(tmp_path):
