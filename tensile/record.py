@@ -236,7 +236,8 @@ class _Recorder(TorchDispatchMode):
             if new:
                 self.alive[sid] = StorageWeakRef(t.untyped_storage())
             out_ids.append(sid)
-        mutated = [self.ids.get_or_new(t)[0] for t in _mutated_args(func, args, kwargs, self.device_type)]
+        mutated_ts = _mutated_args(func, args, kwargs, self.device_type)
+        mutated = [self.ids.get_or_new(t)[0] for t in mutated_ts]
         reads = list(dict.fromkeys(arg_ids))
         writes = list(dict.fromkeys(out_ids + mutated))
         sbytes = {sid: t.untyped_storage().nbytes() for sid, t in zip(arg_ids + out_ids, ins + outs)}
@@ -245,7 +246,7 @@ class _Recorder(TorchDispatchMode):
             index=k, name=op_name(func),
             input_shapes=[tuple(t.shape) for t in ins], input_dtypes=[str(t.dtype) for t in ins],
             output_shapes=[tuple(t.shape) for t in outs], output_dtypes=[str(t.dtype) for t in outs],
-            bytes_read=sum(t.nbytes for t in ins), bytes_written=sum(t.nbytes for t in outs),
+            bytes_read=sum(t.nbytes for t in ins), bytes_written=_written_bytes(outs, mutated_ts),
             flops=estimate_flops(func, args, kwargs, out), reads=reads, writes=writes,
             storage_bytes=sbytes, phase=self.phase))
         if torch.Tag.nondeterministic_seeded in func.tags:
@@ -257,6 +258,14 @@ class _Recorder(TorchDispatchMode):
         self.out_sids.append(out_ids)
         self.funcs.append(func)
         return out
+
+
+def _written_bytes(outs: list[torch.Tensor], mutated: list[torch.Tensor]) -> int:
+    """Bytes an op writes: its outputs, and the arguments it writes in place that it does not
+    also return (``_foreach_*_`` and ``_fused_adam_`` return nothing), as :mod:`nimble.trace`
+    counts them."""
+    returned = {id(t) for t in outs}
+    return sum(t.nbytes for t in outs) + sum(t.nbytes for t in mutated if id(t) not in returned)
 
 
 def _mutated_args(func, args, kwargs, device_type: str) -> list[torch.Tensor]:

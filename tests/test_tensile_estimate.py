@@ -157,3 +157,25 @@ def test_reset_op_times_become_the_reference_of_the_drift_test():
     assert [m.drifted(3.0) for _ in range(3)] == [False, False, True]
     with pytest.raises(ValueError, match="expected 2 op times, got 3"):
         m.reset([1.0, 1.0, 1.0])
+
+
+def test_a_recorded_op_that_writes_in_place_and_returns_nothing_counts_its_writes():
+    """``_foreach_*_`` and ``_fused_adam_`` return nothing: the bytes they write in place
+    (parameters and Adam's moments) still price the op at cold start, as nimble's trace
+    counts them; an in-place op that returns its argument counts it once."""
+    import torch
+    from torch import nn
+
+    from tensile.record import record_step
+    from tensile.step import training_step
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(inplace=True), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    batch = (torch.randn(8, 64), torch.randint(0, 4, (8,)))
+    training_step(model, opt, batch, nn.functional.cross_entropy)   # the state exists
+    nodes = record_step(model, opt, batch, nn.functional.cross_entropy).graph.nodes
+    params = sum(p.nbytes for p in model.parameters())
+    adam = [n for n in nodes if n.name == "aten._fused_adam_.default"]
+    # parameters, gradients (the schema lets it unscale them) and both moments
+    assert len(adam) == 1 and adam[0].bytes_written == 4 * params
+    relu = [n for n in nodes if n.name == "aten.relu_.default"]
+    assert relu and relu[0].bytes_written == 8 * 32 * 4
