@@ -34,7 +34,7 @@ __all__ = [
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_multi_tradeoff", "plot_tensile_tradeoff",
-    "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
+    "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table", "row_method",
     "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets",
     "nimble_memory_table",
 ]
@@ -742,7 +742,7 @@ def _fused_adam(rows: pd.DataFrame) -> pd.Series:
     return rows["mode"].astype(str).str.contains(r"(?:^|,)opt=adam_fused(?:,|$)")
 
 
-def _method_of(row: pd.Series) -> str:
+def row_method(row: pd.Series) -> str:
     """A results row's method, named as :func:`_name_fused_adam` names it."""
     return row["backend"] + (FUSED_ADAM if _fused_adam(row.to_frame().T).iloc[0] else "")
 
@@ -815,7 +815,7 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
             continue
         b = builtin.iloc[-1]
         graph_ms = graph.iloc[-1]["mean_ms"] if len(graph) else None
-        line = {"model": r["model"], "batch": int(r["batch_size"]), "TENSILE": _method_of(r),
+        line = {"model": r["model"], "batch": int(r["batch_size"]), "TENSILE": row_method(r),
                 "built-in": target, "built-in ms": round(b["mean_ms"], 3),
                 "built-in MiB": b["peak_mem_mb"], "TENSILE ms": round(r["mean_ms"], 3),
                 "TENSILE MiB": r["peak_mem_mb"], "planned MiB": _round(extra.get("planned_peak_mb"), 1),
@@ -872,7 +872,7 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
         base_kernels = base["census_kernel_ms"] - base["census_copy_ms"]
         grown = kernel_diff(*({n: v for n, v in e.get("census_by_name", {}).items() if not is_copy(n)}
                               for e in (base, extra)), top=3)
-        lines.append({"model": r["model"], "batch": int(r["batch_size"]), "method": _method_of(r),
+        lines.append({"model": r["model"], "batch": int(r["batch_size"]), "method": row_method(r),
                       "step ms": round(r["mean_ms"], 3), "graph ms": round(g["mean_ms"], 3),
                       "added ms": round(r["mean_ms"] - g["mean_ms"], 3),
                       "kernels added ms": round(kernels - base_kernels, 3),

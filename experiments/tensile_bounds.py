@@ -40,7 +40,7 @@ import pandas as pd
 
 from experiments.analysis import environment, model_names, per_model, say_written
 from experiments.report import (EQUAL_PEAK_TARGET, earlier_in_job, equal_peak_allowance, load_rows,
-                                ok_tensile_rows, snapshot_file)
+                                ok_tensile_rows, row_method, snapshot_file)
 from experiments.tensile_plans import recorded_timeline
 from tensile.bound import extra_time_bound
 from tensile.planner import COPY_LATENCY_MS, plan
@@ -77,7 +77,7 @@ def equal_peak_job(gpu_dir: Path, model: str, batch_size: int) -> dict | None:
         if not len(graph) or not len(ck) or not extra.get("match_met") \
                 or extra.get("bn_rerun_share_median") is None:
             continue
-        found = {"tensile": r["backend"], "builtin": builtin, "budget": int(extra["budget"]),
+        found = {"tensile": row_method(r), "builtin": builtin, "budget": int(extra["budget"]),
                 "step_ms": float(graph.iloc[-1]["mean_ms"]), "builtin_ms": float(ck.iloc[-1]["mean_ms"]),
                 "tensile_ms": float(r["mean_ms"]), "bn_share": float(extra["bn_rerun_share_median"]),
                 "d2h_gbps": extra.get("d2h_gbps_measured") or extra.get("d2h_gbps"),

@@ -33,6 +33,10 @@ def test_the_latest_equal_peak_job_that_met_its_peak_is_read_whole(tmp_path):
     assert found["budget"] == 140 * 2**20 and found["bn_share"] == 0.6 and found["allow_swaps"]
     assert (found["d2h_gbps"], found["h2d_gbps"]) == (40.0, 45.0)
     assert tensile_bounds.equal_peak_job(gpu, "mobilenet_v2", 4) is None
+    assert found["tensile"] == LABEL
+    # a later fused-Adam job is named so (its own built-in and graph, mode opt=adam_fused)
+    gpu_rows(gpu, [{**r, "mode": "whole-step,opt=adam_fused"} for r in job("e", "2026-12-02T04:00:00+00:00")])
+    assert tensile_bounds.equal_peak_job(gpu, "mobilenet_v2", 2)["tensile"] == LABEL + ", fused Adam"
 
 
 def test_a_job_is_bounded_into_rows_and_a_table(tmp_path):
