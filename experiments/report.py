@@ -35,7 +35,7 @@ __all__ = [
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_multi_tradeoff", "plot_tensile_tradeoff",
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table", "row_method",
-    "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets",
+    "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets", "tensile_authors_split_table",
     "nimble_memory_table",
 ]
 
@@ -883,6 +883,48 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
                       "commit": str(r["commit"])[:7]})
     cols = ["model", "batch", "method", "step ms", "graph ms", "added ms", "kernels added ms",
             "idle added ms", "copies ms", "kernels grown most (us per step)", "commit"]
+    return pd.DataFrame(lines, columns=cols)
+
+
+def tensile_authors_split_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """Each run of ``tensile_graph`` at the authors' MSR that recorded its plan's price and
+    floor, its time over the captured vanilla step (``graph``, mean ms) split in two at the
+    step the scheduler captured without a plan (``unplanned``: with its optimizer streamed,
+    if it is; ``Scheduler.capture`` times it as the quietest of ten rounds, which reads
+    about 0.1-0.2 ms under a mean): ``unplanned − graph`` (the streaming's cost) and
+    ``TENSILE − unplanned`` (the plan's), beside what the target allows over ``graph``
+    (half the authors' EOR of it), the plan's price and the least any plan of its moves is
+    priced at (``floor``, :mod:`tensile.bound`). ``in reach``: the streaming plus the floor
+    within the allowance, in the planner's cost model. ``rows``: :func:`load_rows` with
+    ``every_row``."""
+    ok = ok_tensile_rows(rows)
+    theirs = paper.set_index(["model", "batch_size"])
+    lines = []
+    for r, extra in _tensile_rows(rows):
+        if "match_msr=" not in r["backend"] or (r["model"], r["batch_size"]) not in theirs.index \
+                or not re.fullmatch(AUTHORS_MODES, str(r["mode"])):
+            continue
+        floor = extra.get("bound_ms" if "allow_swaps=false" in r["backend"] else "bound_swaps_ms")
+        unplanned, priced = extra.get("captured_vanilla_ms"), extra.get("plan_overhead_ms")
+        graph = earlier_in_job(ok, r)
+        graph = graph[graph["backend"] == "graph"]
+        if floor is None or unplanned is None or priced is None or not len(graph):
+            continue
+        graph_ms = float(graph.iloc[-1]["mean_ms"])
+        allowed = theirs.loc[(r["model"], r["batch_size"]), "eor"] / 2 * graph_ms
+        streaming = unplanned - graph_ms
+        lines.append({"model": r["model"], "batch": int(r["batch_size"]),
+                      "variant": row_method(r).replace("tensile_graph(", "("),
+                      "graph ms": round(graph_ms, 3), "TENSILE ms": round(r["mean_ms"], 3),
+                      "allowed ms": round(allowed, 3),
+                      "unplanned − graph ms": round(streaming, 3),
+                      "TENSILE − unplanned ms": round(r["mean_ms"] - unplanned, 3),
+                      "priced ms": round(priced, 3), "floor ms": round(floor, 3),
+                      "in reach": streaming + floor <= allowed,
+                      "commit": str(r["commit"])[:7]})
+    cols = ["model", "batch", "variant", "graph ms", "TENSILE ms", "allowed ms",
+            "unplanned − graph ms", "TENSILE − unplanned ms", "priced ms", "floor ms", "in reach",
+            "commit"]
     return pd.DataFrame(lines, columns=cols)
 
 
@@ -1770,6 +1812,19 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                        "limit (half the authors' EOR), the runs whose peak reached the saving "
                        "(`saved`) and the verdict (MSR and EOR both met).", "",
                        md_table(saving), ""]
+            split = tensile_authors_split_table(every_row, paper_tensile)
+            if len(split):
+                md += ["Where each run's time over the captured vanilla step goes (runs that "
+                       "recorded their plan's price and floor): `unplanned` is the step the "
+                       "scheduler captured without a plan, its optimizer streamed where the "
+                       "variant streams it, timed as the quietest of ten rounds (about 0.1-0.2 ms "
+                       "under a mean), so `unplanned − graph` is the streaming's cost and "
+                       "`TENSILE − unplanned` the plan's; allowed = half the authors' EOR of "
+                       "`graph`'s step; priced = the planner's price of its plan; floor = the least "
+                       "any plan of its moves is priced at (`tensile.bound`, as the row's commit "
+                       "computed it); in reach = the "
+                       "streaming plus the floor within the allowance, in the planner's cost "
+                       "model, not a measurement.", "", md_table(split), ""]
         census = tensile_census_table(every_row)
         if len(census):
             md += ["### Where a captured step's extra time goes", "",

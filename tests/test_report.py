@@ -310,6 +310,38 @@ def test_a_fused_adam_job_is_a_variant_of_its_own_beside_its_own_built_ins(tmp_p
     assert table.loc[variant + ", fused Adam", ["runs", "verdict"]].tolist() == [2, "reproduced"]
 
 
+def test_a_run_at_the_authors_saving_splits_its_time_into_streaming_and_plan(tmp_path):
+    """unplanned (the step captured without a plan) splits TENSILE's time over graph into
+    the streaming's and the plan's, beside the allowance and the plan's floor; rows without
+    the plan's price and floor, of another job's graph, or SGD jobs are not in it."""
+    shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    label = "tensile_graph(match_msr=0.647,stream_optimizer=16)"   # paper Inception-v4: EOR .159
+    v4 = {"model": "inception_v4"}
+    _tensile_row(store, "graph", 23.0, 1900.0, 0.0, -0.5, run_id="a", **v4)
+    _tensile_row(store, label, 25.2, 670.0, 0.65, -0.5, run_id="a", captured_vanilla_ms=23.7,
+                 plan_overhead_ms=1.1, bound_swaps_ms=1.0, bound_ms=1.4, **v4)
+    _tensile_row(store, label, 25.0, 670.0, 0.65, -0.5, run_id="b", **v4)   # no graph, no price
+    _tensile_row(store, "graph", 23.0, 1900.0, 0.0, -0.5, run_id="c", mode="whole-step,opt=sgd", **v4)
+    _tensile_row(store, label, 25.0, 670.0, 0.65, -0.5, run_id="c", mode="whole-step,opt=sgd",
+                 captured_vanilla_ms=23.7, plan_overhead_ms=1.1, bound_swaps_ms=1.0, **v4)
+    _tensile_row(store, "graph", 23.0, 1900.0, 0.0, -0.5, run_id="d", mode="whole-step,opt=adam_fused", **v4)
+    _tensile_row(store, label.replace(")", ",allow_swaps=false)"), 26.0, 670.0, 0.65, -0.5, run_id="d",
+                 mode="whole-step,opt=adam_fused", captured_vanilla_ms=23.2, plan_overhead_ms=1.5,
+                 bound_swaps_ms=1.0, bound_ms=1.7, **v4)
+    paper = pd.read_csv(tmp_path / "paper" / "tensile_single_b16.csv")
+    t = report.tensile_authors_split_table(report.load_rows(tmp_path / "h200", every_row=True), paper)
+    assert len(t) == 2
+    first, fused = t.iloc[0], t.iloc[1]
+    assert first["variant"] == "(match_msr=0.647,stream_optimizer=16)"
+    assert first["allowed ms"] == pytest.approx(0.159 / 2 * 23.0, abs=1e-3)   # 1.828
+    assert first["unplanned − graph ms"] == pytest.approx(0.7) and first["TENSILE − unplanned ms"] == 1.5
+    assert (first["priced ms"], first["floor ms"]) == (1.1, 1.0) and first["in reach"]   # 1.7 <= 1.828
+    # rebuilds only: the floor without swaps; fused Adam named; 0.2 + 1.7 = 1.9 over 1.828
+    assert fused["variant"].endswith("allow_swaps=false), fused Adam") and fused["floor ms"] == 1.7
+    assert not fused["in reach"]
+
+
 def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
     shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
