@@ -735,16 +735,17 @@ def tensile_verdicts(metrics: pd.DataFrame, paper: pd.DataFrame,
 # foreach (the authors') or fused (``opt=adam_fused``: every method of that job), not SGD
 AUTHORS_MODES = r"whole-step(,budget=[^,]+)?(,opt=adam_fused)?"
 FUSED_ADAM = ", fused Adam"   # how a variant of a fused-Adam job is named
+_FUSED_MODE = re.compile(r"(?:^|,)opt=adam_fused(?:,|$)")
 
 
 def _fused_adam(rows: pd.DataFrame) -> pd.Series:
     """Which rows' job trained with fused Adam (``opt=adam_fused`` in the mode)."""
-    return rows["mode"].astype(str).str.contains(r"(?:^|,)opt=adam_fused(?:,|$)")
+    return rows["mode"].astype(str).str.contains(_FUSED_MODE)
 
 
 def row_method(row: pd.Series) -> str:
     """A results row's method, named as :func:`_name_fused_adam` names it."""
-    return row["backend"] + (FUSED_ADAM if _fused_adam(row.to_frame().T).iloc[0] else "")
+    return row["backend"] + (FUSED_ADAM if _FUSED_MODE.search(str(row["mode"])) else "")
 
 
 def _name_fused_adam(rows: pd.DataFrame) -> pd.DataFrame:
