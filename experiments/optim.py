@@ -14,10 +14,10 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, momentum: float
                    capturable: bool = False) -> torch.optim.Optimizer:
     """Optimizer ``name`` (:data:`OPTIMIZERS`) over ``model``'s trainable parameters.
 
-    ``adam`` runs a dozen multi-tensor kernels per ``step()`` call, its step count on the
-    device with ``capturable`` (a CUDA graph needs that), and then two more kernels per
-    parameter (its bias corrections are per-parameter tensors, which the multi-tensor
-    kernels cannot take). ``adam_fused`` (``fused=True``) runs the same update in one kernel
+    ``adam`` runs a dozen multi-tensor kernels per ``step()`` call. With ``capturable`` its
+    step count stays on the device (a CUDA graph needs that) and it runs two more kernels
+    per parameter: its bias corrections are then per-parameter tensors, which the
+    multi-tensor kernels cannot take. ``adam_fused`` (``fused=True``) runs the same update in one kernel
     per call, equal to ``adam`` up to rounding, its step count always on the device. The
     difference grows with the calls: a streamed optimizer (:func:`tensile.stream_optimizer`)
     calls ``step()`` once per group of parameters.
