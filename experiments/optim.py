@@ -17,10 +17,10 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, momentum: float
     ``adam`` runs a dozen multi-tensor kernels per ``step()`` call. With ``capturable`` its
     step count stays on the device (a CUDA graph needs that) and it runs two more kernels
     per parameter: its bias corrections are then per-parameter tensors, which the
-    multi-tensor kernels cannot take. ``adam_fused`` (``fused=True``) runs the same update in one kernel
-    per call, equal to ``adam`` up to rounding, its step count always on the device. The
-    difference grows with the calls: a streamed optimizer (:func:`tensile.stream_optimizer`)
-    calls ``step()`` once per group of parameters.
+    multi-tensor kernels cannot take. ``adam_fused`` (``fused=True``) runs the same update
+    in one kernel per call, equal to ``adam`` up to rounding, its step count always on the
+    device. The difference grows with the calls: a streamed optimizer
+    (:func:`tensile.stream_optimizer`) calls ``step()`` once per group of parameters.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "sgd":

@@ -34,8 +34,9 @@ __all__ = [
     "settings", "gpu_dirs", "md_table",
     "plot_inference_speedup", "plot_training_speedup", "plot_multistream", "plot_stream_timeline",
     "plot_tensile_multi_msr", "plot_tensile_multi_tradeoff", "plot_tensile_tradeoff",
-    "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table", "row_method",
-    "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets", "tensile_authors_split_table",
+    "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
+    "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets", "row_method",
+    "tensile_authors_split_table",
     "nimble_memory_table",
 ]
 
