@@ -131,6 +131,15 @@ def test_sweep_size_counts_jobs_like_the_basic_sweeper():
     assert run.sweep_size(plain, argv=["-m", "model=glob(resnet*)", "batch_size=range(1,4)"]) == 6
 
 
+def test_a_preset_and_a_command_line_sweep_multiply():
+    # the README's fused-Adam commands: one model of the preset, both optimizers
+    argv = ["-m", "+sweep=tensile_authors", "model=inception_v4", "experiment.stream_optimizer=16",
+            "experiment.optimizer=adam,adam_fused"]
+    hc = _compose(["+sweep=tensile_authors"], hydra_cfg=True).hydra
+    assert run.sweep_size(hc, argv=argv) == 2
+    assert run.sweep_size(hc, argv=argv[:-1]) == 1
+
+
 # --------------------------------------------------------------------------- fakes
 
 class Tiny(nn.Module):
