@@ -580,6 +580,20 @@ def earlier_in_job(ok: pd.DataFrame, r: pd.Series) -> pd.DataFrame:
     return job[(job[_JOB] == r[_JOB]).all(axis=1)]
 
 
+def _last_graph(job: pd.DataFrame) -> pd.Series | None:
+    """The last captured vanilla step (``graph``) row of ``job`` (:func:`earlier_in_job`),
+    or None where it has none."""
+    graph = job[job["backend"] == "graph"]
+    return graph.iloc[-1] if len(graph) else None
+
+
+def _plan_floor(backend: str, extra: dict) -> float | None:
+    """The least any plan of a ``tensile_graph`` row's moves is priced at (``tensile.bound``,
+    as its run recorded it): rebuilds only where the row forbade swaps (``allow_swaps=false``),
+    else rebuilds and swaps; None where the row did not record it."""
+    return extra.get("bound_ms" if "allow_swaps=false" in backend else "bound_swaps_ms")
+
+
 def tensile_metrics(df: pd.DataFrame) -> pd.DataFrame:
     """One line per full-protocol ok TENSILE-experiment row: model, batch, mode, method and
     the MSR / EOR / CBR / passive-share figures from its ``extra`` JSON, and the commit that
@@ -812,11 +826,10 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
             continue
         job = earlier_in_job(ok, r)
         builtin = job[(job["backend"] == target) & (job["peak_mem_mb"] == extra.get("match_target_mb"))]
-        graph = job[job["backend"] == "graph"]
         if not len(builtin):
             continue
-        b = builtin.iloc[-1]
-        graph_ms = graph.iloc[-1]["mean_ms"] if len(graph) else None
+        b, graph = builtin.iloc[-1], _last_graph(job)
+        graph_ms = None if graph is None else graph["mean_ms"]
         line = {"model": r["model"], "batch": int(r["batch_size"]), "TENSILE": row_method(r),
                 "built-in": target, "built-in ms": round(b["mean_ms"], 3),
                 "built-in MiB": b["peak_mem_mb"], "TENSILE ms": round(r["mean_ms"], 3),
@@ -829,8 +842,7 @@ def tensile_equal_peak_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "allowed ms": (None if graph_ms is None
                                else round(equal_peak_allowance(b["mean_ms"], graph_ms), 3)),
                 "priced ms": _round(extra.get("plan_overhead_ms")),
-                "bound ms": _round(extra.get("bound_ms" if "allow_swaps=false" in r["backend"]
-                                             else "bound_swaps_ms")),
+                "bound ms": _round(_plan_floor(r["backend"], extra)),
                 "commit": str(r["commit"])[:7]}
         met = line["peak met"] and line["speedup"] >= EQUAL_PEAK_TARGET
         line["verdict"] = ("met" if met else
@@ -860,11 +872,9 @@ def tensile_census_table(rows: pd.DataFrame) -> pd.DataFrame:
     for r, extra in _tensile_rows(rows):
         if r["backend"] == "graph" or extra.get("census_compute_busy_ms") is None:
             continue
-        job = earlier_in_job(ok, r)
-        job = job[job["backend"] == "graph"]
-        if not len(job):
+        g = _last_graph(earlier_in_job(ok, r))
+        if g is None:
             continue
-        g = job.iloc[-1]
         base = json.loads(g["extra"]) if g["extra"] else {}
         if base.get("census_compute_busy_ms") is None:
             continue
@@ -906,13 +916,12 @@ def tensile_authors_split_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.D
         if "match_msr=" not in r["backend"] or (r["model"], r["batch_size"]) not in theirs.index \
                 or not re.fullmatch(AUTHORS_MODES, str(r["mode"])):
             continue
-        floor = extra.get("bound_ms" if "allow_swaps=false" in r["backend"] else "bound_swaps_ms")
+        floor = _plan_floor(r["backend"], extra)
         unplanned, priced = extra.get("captured_vanilla_ms"), extra.get("plan_overhead_ms")
-        graph = earlier_in_job(ok, r)
-        graph = graph[graph["backend"] == "graph"]
-        if floor is None or unplanned is None or priced is None or not len(graph):
+        graph = _last_graph(earlier_in_job(ok, r))
+        if floor is None or unplanned is None or priced is None or graph is None:
             continue
-        graph_ms = float(graph.iloc[-1]["mean_ms"])
+        graph_ms = float(graph["mean_ms"])
         allowed = theirs.loc[(r["model"], r["batch_size"]), "eor"] / 2 * graph_ms
         streaming = unplanned - graph_ms
         lines.append({"model": r["model"], "batch": int(r["batch_size"]),
