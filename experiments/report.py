@@ -1438,35 +1438,36 @@ def snapshot_file(extra: dict) -> str | None:
     return Path(name).name if name else None
 
 
-def equal_peak_snapshots(gpu_dir: str | Path, every_row: pd.DataFrame) -> dict[str, tuple[Path, dict]]:
+def equal_peak_snapshots(gpu_dir: str | Path,
+                         every_row: pd.DataFrame) -> dict[str, tuple[Path, float | None]]:
     """Per model, the planning snapshot (``experiment.snapshot=true``) of its latest equal-peak
-    ``tensile_graph`` row that saved one and has it in ``gpu_dir``, with the row's ``extra``;
+    ``tensile_graph`` row that saved one and has it in ``gpu_dir``, with the floor on any plan
+    of that row's moves (:func:`_plan_floor`; None where the row did not record it);
     ``every_row``: the rows of :func:`load_rows` with ``every_row``, in the order measured."""
-    found: dict[str, tuple[Path, dict]] = {}
+    found: dict[str, tuple[Path, float | None]] = {}
     for r, extra in _tensile_rows(every_row):
         name = snapshot_file(extra)
         if str(r["backend"]).startswith("tensile_graph(match_peak=") and name \
                 and (Path(gpu_dir) / name).exists():
-            found[r["model"]] = (Path(gpu_dir) / name, extra)
+            found[r["model"]] = (Path(gpu_dir) / name, _plan_floor(r["backend"], extra))
     return found
 
 
-def plot_plan_memory(snapshots: dict[str, tuple[Path, dict]]) -> Figure | None:
+def plot_plan_memory(snapshots: dict[str, tuple[Path, float | None]]) -> Figure | None:
     """One panel per model (:func:`equal_peak_snapshots`): the resident bytes over its step
     without a plan and with the plan its GPU ran (:func:`tensile.simulate` on the saved
     timeline, op times measured there), and the budget, with the plan's priced extra time
-    and the floor on any plan's the row keeps (``bound_ms``, rebuilds only)."""
+    and the floor on any plan of its moves (rebuilds, and swaps where the row allowed them)."""
     if not snapshots:
         return None
     from tensile import PlanningSnapshot, simulate          # torch: only when there is one
     fig, axes = plt.subplots(1, len(snapshots), figsize=(5.0 * len(snapshots), 3.4), squeeze=False)
-    for ax, (model, (path, extra)) in zip(axes[0], snapshots.items()):
+    for ax, (model, (path, floor)) in zip(axes[0], snapshots.items()):
         snap = PlanningSnapshot.load(path)
         tl, plan = snap.timeline, snap.plan
         t = np.asarray(tl.start)
         ax.plot(t, simulate(tl).curve / 2**20, lw=1, color="gray", label="no plan")
         ax.plot(t, simulate(tl, plan).curve / 2**20, lw=1, label="the plan the GPU ran")
-        floor = extra.get("bound_ms")
         ax.axhline(snap.budget_bytes / 2**20, ls="--", color="black", lw=0.8, label="budget")
         ax.set_title(f"{model}: priced {plan.est_overhead_ms:.3f} ms, floor "
                      f"{'none' if floor is None else f'{floor:.3f}'} ms", fontsize=9)

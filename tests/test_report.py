@@ -342,6 +342,22 @@ def test_a_run_at_the_authors_saving_splits_its_time_into_streaming_and_plan(tmp
     assert not fused["in reach"]
 
 
+def test_a_plan_memory_panel_takes_the_floor_of_its_own_moves(tmp_path):
+    """rebuilds and swaps where the row allowed swaps, rebuilds only where it did not;
+    rows without a snapshot file beside them are left out."""
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    for model, label in [("inception_v4", "tensile_graph(match_peak=checkpoint_graph)"),
+                         ("resnet50", "tensile_graph(match_peak=checkpoint_graph,allow_swaps=false)"),
+                         ("densenet121", "tensile_graph(match_peak=checkpoint_graph)")]:
+        _tensile_row(store, label, 25.0, 1000.0, 0.5, -0.5, model=model, bound_ms=1.27,
+                     bound_swaps_ms=0.88, snapshot_file=f"snap_{model}.json.gz")
+        if model != "densenet121":
+            (tmp_path / "h200" / f"snap_{model}.json.gz").write_bytes(b"")
+    found = report.equal_peak_snapshots(tmp_path / "h200",
+                                        report.load_rows(tmp_path / "h200", every_row=True))
+    assert {m: floor for m, (_, floor) in found.items()} == {"inception_v4": 0.88, "resnet50": 1.27}
+
+
 def test_authors_verdict_counts_the_runs_of_the_variant_it_shows(tmp_path):
     shutil.copytree(REPO / "results" / "paper", tmp_path / "paper")
     store = ResultStore(tmp_path / "h200" / "tensile.csv")
