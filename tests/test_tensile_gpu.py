@@ -278,7 +278,8 @@ def test_fused_adam_streamed_planned_and_captured_trains_exactly_like_eager_fuse
     assert names.count("aten._fused_adam_.default") == groups > 1   # a kernel per group
     assert sched.plan.swaps
     for a, b in zip(states(m0, o0), states(m1, o1), strict=True):
-        assert torch.equal(a, b), "the streamed fused step differs from eager fused Adam"
+        # The streamed optimizer keeps Adam's state in its pinned host pool between steps.
+        assert torch.equal(a.cpu(), b.cpu()), "the streamed fused step differs from eager fused Adam"
 
 
 def test_a_streamed_steps_timeline_counts_the_slots_it_holds_past_their_copies_out():
