@@ -498,6 +498,12 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
         assert any(f"-m experiments.run +sweep={sweep}" in c for c in commands)
         assert (CONF / "sweep" / f"{sweep}.yaml").exists()
     assert "experiments.analysis" in commands[0] and "experiments.report" in commands[-1]
+    # Inception-v4 at the authors' MSR once more, with fc's state alone resident
+    (v4,) = [c for c in commands if "+sweep=tensile_authors model=inception_v4" in c]
+    assert v4.endswith("experiment.stream_optimizer=16 experiment.stream_resident=1")
+    assert commands.index(v4) > commands.index(next(c for c in commands if c.endswith("+sweep=tensile_authors")))
+    only = [" ".join(cmd) for _, cmd in reproduce.plan(cuda=True, sweeps=["tensile_single"])[0]]
+    assert not any("tensile_authors" in c for c in only)
     multi = [c for c in commands if "-m experiments.tensile_multi --scenario" in c]
     assert len(multi) == 5
     # the setting that met the authors' several-jobs figures, as results/h200/README.md ran it
