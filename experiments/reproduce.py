@@ -38,7 +38,8 @@ GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "multi
               "tensile_authors", "streamed_cost", "tensile_streamed"]
 # Inception-v4 at the TENSILE authors' memory saving: the sweep keeps four groups' Adam state on
 # the device, where this job cannot reach the saving; with fc's group alone resident it met the
-# target in 2 of 3 runs (results/h100-80gb-hbm3/README.md, fifty-fourth session).
+# target in 4 of 5 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md and
+# results/h200/README.md, fifty-fourth and fifty-fifth sessions).
 TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experiment.stream_optimizer=16",
                       "experiment.stream_resident=1"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
