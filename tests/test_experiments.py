@@ -505,14 +505,18 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     only = [" ".join(cmd) for _, cmd in reproduce.plan(cuda=True, sweeps=["tensile_single"])[0]]
     assert not any("tensile_authors" in c for c in only)
     multi = [c for c in commands if "-m experiments.tensile_multi --scenario" in c]
-    assert len(multi) == 5
+    assert len(multi) == 6
     # the setting that met the authors' several-jobs figures, as results/h200/README.md ran it
-    assert "--budget-share 0.8" in multi[-2] and "--stream-resident 16" in multi[-2]
-    assert "--captured" in multi[-2] and "--trim-blas tensile" in multi[-2]
-    # ... and VGG-16's, with chunked updates, under expandable segments set for that step alone
-    assert multi[-1].startswith("env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ")
-    assert "--models vgg16 --copies 2,3" in multi[-1] and "--stream-chunk 64" in multi[-1]
-    assert not any("expandable" in c for c in multi[:-1])
+    assert "--budget-share 0.8" in multi[-3] and "--stream-resident 16" in multi[-3]
+    assert "--captured" in multi[-3] and "--trim-blas tensile" in multi[-3]
+    # ... VGG-16's, with chunked updates, and Inception-v4's, half its groups' state streamed
+    # through one buffer, both under expandable segments set for those steps alone
+    vgg, v4 = multi[-2:]
+    assert all(c.startswith("env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ") for c in (vgg, v4))
+    assert "--models vgg16 --copies 2,3" in vgg and "--stream-chunk 64" in vgg
+    assert "--models inception_v4 --copies 2,3" in v4
+    assert "--stream-prefetch 1 --stream-resident 8 --budget-share 0.85" in v4
+    assert not any("expandable" in c for c in multi[:-2])
     (headroom,) = [c for c in commands if "-m experiments.headroom" in c]
     assert "--batch 1,32" in headroom and "--results" in headroom
     (kernels,) = [c for c in commands if "-m experiments.kernels" in c]
@@ -534,8 +538,8 @@ def test_reproduce_runs_the_authors_several_jobs_setting_through_mps_where_there
     monkeypatch.setattr(mps, "available", lambda: has_mps)
     steps, _ = reproduce.plan(cuda=True)
     multi = [cmd for _, cmd in steps if "experiments.tensile_multi" in cmd]
-    assert all(("--mps" in cmd) == has_mps for cmd in multi[-2:])
-    assert not any("--mps" in cmd for cmd in multi[:-2])
+    assert all(("--mps" in cmd) == has_mps for cmd in multi[-3:])
+    assert not any("--mps" in cmd for cmd in multi[:-3])
 
 
 def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
@@ -548,7 +552,7 @@ def test_reproduce_plan_without_cuda_says_what_it_does_not_run():
     assert sum("-m experiments.tensile_bounds --gpu h200" in c for c in commands) == 1
     assert "experiments.report" in commands[-1]
     assert all(any(s in line for line in skipped) for s in reproduce.GPU_SWEEPS)
-    assert sum("TENSILE, several jobs" in line for line in skipped) == 5
+    assert sum("TENSILE, several jobs" in line for line in skipped) == 6
     assert any("concurrency headroom" in line for line in skipped)
     assert any("kernel census" in line for line in skipped)
     assert any("thread-stack memory (experiments/stack_trim.py)" in line for line in skipped)
