@@ -28,6 +28,7 @@ __all__ = [
     "PAPER_INFERENCE_SET",
     "get_model",
     "build_model",
+    "check_image_size",
     "example_input",
 ]
 
@@ -40,7 +41,8 @@ class ModelSpec:
 
     ``build(num_classes=1000)`` returns a fresh, randomly initialised module (train mode,
     as the library leaves it; :func:`build_model` sets eval mode). ``image_size`` is the
-    ImageNet input side the papers used.
+    ImageNet input side the papers used; ``min_image_size`` the smallest side the network
+    runs at (below it, its downsampling leaves a feature map smaller than a kernel).
     """
 
     name: str
@@ -49,6 +51,7 @@ class ModelSpec:
     num_classes: int = 1000
     source: str = ""
     in_paper: bool = False
+    min_image_size: int = 1
 
 
 def _torchvision(name: str, **kwargs) -> Callable[..., nn.Module]:
@@ -70,8 +73,10 @@ def _timm(name: str) -> Callable[..., nn.Module]:
     return build
 
 
-def _spec(name: str, build: Callable[..., nn.Module], image_size: int, source: str, in_paper: bool) -> ModelSpec:
-    return ModelSpec(name=name, build=build, image_size=image_size, source=source, in_paper=in_paper)
+def _spec(name: str, build: Callable[..., nn.Module], image_size: int, source: str, in_paper: bool,
+          min_image_size: int = 1) -> ModelSpec:
+    return ModelSpec(name=name, build=build, image_size=image_size, source=source, in_paper=in_paper,
+                     min_image_size=min_image_size)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -80,10 +85,12 @@ MODELS: dict[str, ModelSpec] = {
         # The Nimble paper's inference set (snuspl/nimble experiment/models.json).
         _spec("resnet50", _torchvision("resnet50"), 224, "torchvision resnet50", True),
         _spec("resnet101", _torchvision("resnet101"), 224, "torchvision resnet101", True),
-        # As Nimble's experiment/utils.py builds it; in eval mode the aux head is skipped.
+        # As Nimble's experiment/utils.py builds it; in eval mode the aux head is skipped. At
+        # least 75 px in eval mode and in training without the aux head (which the TENSILE
+        # experiments drop: in training it needs 299).
         _spec("inception_v3",
               _torchvision("inception_v3", aux_logits=True, transform_input=False, init_weights=True),
-              299, "torchvision inception_v3(aux_logits=True, transform_input=False)", True),
+              299, "torchvision inception_v3(aux_logits=True, transform_input=False)", True, 75),
         _spec("mobilenet_v2", _torchvision("mobilenet_v2"), 224, "torchvision mobilenet_v2", True),
         _spec("efficientnet_b0", _timm("efficientnet_b0"), 224, "timm efficientnet_b0", True),
         _spec("efficientnet_b5", _timm("efficientnet_b5"), 456, "timm efficientnet_b5", True),
@@ -102,7 +109,7 @@ MODELS: dict[str, ModelSpec] = {
         _spec("densenet121", _torchvision("densenet121"), 224, "torchvision densenet121", True),
         _spec("pnasnet5large", _timm("pnasnet5large"), 331, "timm pnasnet5large", False),
         _spec("vgg16", _torchvision("vgg16"), 224, "torchvision vgg16", True),
-        _spec("inception_v4", _timm("inception_v4"), 299, "timm inception_v4", True),
+        _spec("inception_v4", _timm("inception_v4"), 299, "timm inception_v4", True, 75),
     ]
 }
 
@@ -146,6 +153,15 @@ def build_model(name: str, *, num_classes: int | None = None, pretrained: bool =
     return model.eval()
 
 
+def check_image_size(name: str, image_size: int) -> None:
+    """Raise a ValueError naming the model's smallest input side if ``image_size`` is below it
+    (or below 1): caught here, not as a kernel-size error deep inside the network."""
+    spec = get_model(name)
+    if image_size < max(1, spec.min_image_size):
+        raise ValueError(f"{name} needs inputs of at least {max(1, spec.min_image_size)} px a "
+                         f"side (its own size is {spec.image_size}), got image_size={image_size}")
+
+
 def example_input(name: str, batch_size: int, device: str | torch.device = "cpu",
                   image_size: int | None = None, seed: int = 0) -> torch.Tensor:
     """A random ``(batch_size, 3, S, S)`` float32 image batch, same values for the same seed.
@@ -157,7 +173,6 @@ def example_input(name: str, batch_size: int, device: str | torch.device = "cpu"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     size = spec.image_size if image_size is None else image_size
-    if size < 1:
-        raise ValueError(f"image_size must be >= 1, got {size}")
+    check_image_size(name, size)
     g = torch.Generator().manual_seed(seed)  # CPU generator: same values on every device
     return torch.randn(batch_size, 3, size, size, generator=g).to(device)

@@ -85,12 +85,18 @@ def _backends():
 # --------------------------------------------------------------------------- validation
 
 def validate_model_and_batch(cfg: DictConfig, models: dict) -> None:
-    """The checks every experiment shares: a known model and a positive integer batch size."""
+    """The checks every experiment shares: a known model, a positive integer batch size and
+    an input side the model runs at."""
     if cfg.model.name not in models:
         raise ConfigError(f"unknown model {cfg.model.name!r}; valid: {', '.join(models)}")
     batch = cfg.batch_size
     if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
         raise ConfigError(f"batch_size must be a positive integer, got {batch!r}")
+    size = cfg.experiment.get("image_size") or cfg.model.image_size
+    try:
+        _models().check_image_size(cfg.model.name, size)
+    except ValueError as e:
+        raise ConfigError(f"{e} (experiment.image_size)") from None
 
 
 def validate(cfg: DictConfig) -> None:

@@ -181,6 +181,7 @@ SCENARIOS = ("copies", "mdw", "dynamic")
 PHASES = {"none": (), "tensile": ("tensile",), "all": ("vanilla", "tensile")}
 PAPER_MODELS = ("vgg16", "inception_v3", "inception_v4", "resnet50", "densenet121")
 SMOKE_MODELS = ("mobilenet_v2", "googlenet")  # CPU default: the Inceptions need >= 75 px
+                                              # (ModelSpec.min_image_size)
 NUM_CLASSES = 1000          # TENSILE's workloads (conf/experiment/tensile.yaml)
 IMAGE_SIZE = {"cuda": 224, "cpu": 32}
 LR = 1e-3                   # Adam, as conf/experiment/tensile.yaml
@@ -1561,7 +1562,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Options, list[Setting]]:
     """Check the arguments (``ap.error``: exit code 2 naming what was expected)."""
-    from experiments.models import MODELS
+    from experiments.models import MODELS, check_image_size
     if args.scenario is None:
         ap.error(f"--scenario is required; valid: {', '.join(SCENARIOS)}")
     if args.models is None:
@@ -1569,6 +1570,13 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
+    size = args.image_size or IMAGE_SIZE[args.device]
+    for m in dict.fromkeys(args.models):
+        try:
+            check_image_size(m, size)
+        except ValueError as e:
+            ap.error(f"{e} (--image-size; default {IMAGE_SIZE[args.device]} with --device "
+                     f"{args.device})")
     if args.scenario != "dynamic" and len(set(args.models)) != len(args.models):
         ap.error(f"--models lists a model twice: {args.models} (repeats are for --scenario dynamic)")
     if args.scenario in ("mdw", "dynamic") and len(args.models) < 2:

@@ -66,6 +66,22 @@ def test_pretrained_is_refused_and_bad_sizes_are_errors():
         build_model("darts", num_classes=0)
 
 
+@pytest.mark.parametrize("name", ["inception_v3", "inception_v4"])
+def test_the_smallest_input_side_runs_and_one_below_it_is_a_clear_error(name):
+    from experiments.tensile_run import _drop_aux_head   # as the TENSILE jobs train it
+    least = MODELS[name].min_image_size
+    assert 1 < least < MODELS[name].image_size
+    model = _drop_aux_head(build_model(name)).train()
+    assert model(example_input(name, 2, image_size=least)).shape == (2, 1000)
+    with pytest.raises(RuntimeError):    # the network itself: the table's figure is the least
+        model(torch.randn(2, 3, least - 1, least - 1))
+    with pytest.raises(ValueError, match=f"{name} needs inputs of at least {least} px a side "
+                                         rf"\(its own size is 299\), got image_size={least - 1}"):
+        example_input(name, 2, image_size=least - 1)
+    with pytest.raises(ValueError, match="got image_size=0"):
+        example_input("resnet50", 1, image_size=0)
+
+
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0", "resnet50"])
 def test_cifar10_shapes(name):
     model = build_model(name, num_classes=10)

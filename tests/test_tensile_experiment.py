@@ -45,9 +45,13 @@ def small_models():
         g = torch.Generator().manual_seed(seed)
         return torch.randn(batch_size, 3, image_size, image_size, generator=g).to(device)
 
+    def check_image_size(name, image_size):   # its max pool needs 2 px
+        if image_size < 2:
+            raise ValueError(f"{name} needs inputs of at least 2 px a side, got {image_size}")
+
     spec = SimpleNamespace(name="small", image_size=16, num_classes=10)
     return SimpleNamespace(MODELS={"small": spec}, build_model=build_model,
-                           example_input=example_input)
+                           example_input=example_input, check_image_size=check_image_size)
 
 
 @pytest.fixture
@@ -422,6 +426,8 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["timing.warmup=1"], "need >= 2 warm-up steps"),
     (["batch_size=0"], "batch_size must be a positive integer"),
     (["model.name=nope"], "unknown model 'nope'; valid: small"),
+    (["experiment.image_size=1"],
+     r"small needs inputs of at least 2 px a side, got 1 \(experiment.image_size\)"),
 ])
 def test_bad_configs_are_refused_before_anything_runs(small, tmp_path, overrides, match):
     with pytest.raises(run.ConfigError, match=match):

@@ -431,6 +431,9 @@ def test_the_nvml_sampler_reads_the_gpu_the_jobs_run_on(monkeypatch):
     (["--scenario", "copies", "--stream-optimizer", "4", "--stream-chunk", "0"],
      ["expected a positive number, got '0'"]),
     (["--scenario", "copies", "--batch", "0"], ["expected a positive integer, got '0'"]),
+    (["--scenario", "copies", "--models", "inception_v4,resnet50"],   # the CPU's 32 px
+     ["inception_v4 needs inputs of at least 75 px a side (its own size is 299), got "
+      "image_size=32 (--image-size; default 32 with --device cpu)"]),
     (["--scenario", "copies", "--optimizer", "sgd"],
      ["--optimizer: invalid choice: 'sgd'", "adam_fused"]),   # quoting differs by Python
     (["--scenario", "copies", "--gpu-index", "-1"], ["--gpu-index must be >= 0, got -1"]),
