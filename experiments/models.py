@@ -157,9 +157,10 @@ def check_image_size(name: str, image_size: int) -> None:
     """Raise a ValueError naming the model's smallest input side if ``image_size`` is below it
     (or below 1): caught here, not as a kernel-size error deep inside the network."""
     spec = get_model(name)
-    if image_size < max(1, spec.min_image_size):
-        raise ValueError(f"{name} needs inputs of at least {max(1, spec.min_image_size)} px a "
-                         f"side (its own size is {spec.image_size}), got image_size={image_size}")
+    least = max(1, spec.min_image_size)
+    if image_size < least:
+        raise ValueError(f"{name} needs inputs of at least {least} px a side (its own size is "
+                         f"{spec.image_size}), got image_size={image_size}")
 
 
 def example_input(name: str, batch_size: int, device: str | torch.device = "cpu",

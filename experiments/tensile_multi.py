@@ -1571,7 +1571,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
     if unknown:
         ap.error(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)}")
     size = args.image_size or IMAGE_SIZE[args.device]
-    for m in dict.fromkeys(args.models):
+    for m in args.models:   # ap.error exits at the first
         try:
             check_image_size(m, size)
         except ValueError as e:
