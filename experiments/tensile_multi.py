@@ -72,6 +72,9 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   ``blas_released_mb_<phase>``: what ``--trim-blas`` gave back (:func:`tensile.trim_blas_workspace`);
   ``compacted_<phase>``: what ``--compact`` did (tensors ``moved`` / ``moved_mb``, ``kept`` in
   place, ``released_mb`` of the allocator's reservation; empty where the phase did not compact);
+  ``capture_s_<phase>``: with ``--captured``, one entry per capture, the seconds its set-up
+  took by part (``tensile.Scheduler.capture_s``; the vanilla jobs' ``warmup`` and ``capture``
+  alone);
 * per setting (``GPU`` row): ``msr_nvml`` = 1 - (peak - idle) / (peak_vanilla - idle_vanilla)
   of the sampled device memory (idle: before the first arrival), with the peak taken over the
   samples where no job is between its arrival and its first measured step (that start-up
@@ -83,7 +86,8 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   setting whose jobs re-captured through all their measured steps);
   ``msr_nvml_all`` takes the peak over every sample; ``eor`` = sum of the jobs' mean step times
   tensile / vanilla - 1; ``replans`` = the scheduler's re-plans, ``replan_kinds`` their
-  triggers by kind (arrival, departure, first measurement, drift; one re-plan may fold several).
+  triggers by kind (arrival, departure, first measurement, drift; one re-plan may fold several),
+  ``replan_planner_ms`` how long each joint plan took the scheduler process.
 
 A job that crashes, runs out of memory or does not finish within ``--timeout`` (seconds for
 the whole setting) gives an ``error`` row with the tail of its stderr; every process started
@@ -154,7 +158,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from experiments.mps import available as mps_available
 from experiments.mps import client_env as mps_client_env
@@ -630,7 +634,7 @@ def run_job(p: dict) -> dict:
         out = {"iter_ms": times, "warmup": p["warmup"], "loss": loss, "outside_allocator_mb": outside,
                "stack_released_mb": stack_released_mb, "blas_released_mb": blas_released_mb,
                "compacted": compacted,
-               "capture_steps": capture_steps,
+               "capture_steps": capture_steps, "capture_s": _capture_seconds(sched, step),
                "first_peak_alloc_mb": first_peaks[0], "first_peak_reserved_mb": first_peaks[1],
                "peak_alloc_mb": peak_alloc, "peak_reserved_mb": peak_reserved}
         if tuned:   # what tensile.tune_resident chose (--stream-resident auto)
@@ -665,6 +669,7 @@ class _CapturedVanilla:
         self.model, self.opt, self.batch, self.loss_fn = model, opt, batch, loss_fn
         self.graph = None
         self.captures = 0
+        self.capture_s: list[dict[str, float]] = []   # each capture's GraphStep.setup_s
 
     def __call__(self):
         import torch
@@ -678,6 +683,7 @@ class _CapturedVanilla:
                                                                       self.loss_fn),
                                    self.batch, self.model, self.opt)
             self.captures += 1
+            self.capture_s.append(self.graph.setup_s)
         return self.graph(*self.batch)
 
 
@@ -685,6 +691,13 @@ def _graph_peak_mb(sched, step) -> float | None:
     """The allocated peak (MB) of the capture of the graph the job replays now, if any."""
     graph = sched.graph if sched is not None else getattr(step, "graph", None)
     return None if graph is None else graph.peak_bytes / MB
+
+
+def _capture_seconds(sched, step) -> list[dict[str, float]]:
+    """Where each capture's set-up time went (s, 3 decimals): ``Scheduler.capture_s``, or the
+    captured vanilla step's ``GraphStep.setup_s``; empty when the job does not capture."""
+    phases = sched.capture_s if sched is not None else getattr(step, "capture_s", [])
+    return [{k: round(v, 3) for k, v in p.items()} for p in phases]
 
 
 def _captures(sched, step) -> int:
@@ -1050,13 +1063,19 @@ def _spawn_server(sock: Path, args: list[str], log: Path, env: dict, deadline: f
                         timeout_s=max(1.0, min(60.0, deadline - time.monotonic())))
 
 
-def _scheduler_replans(log: Path) -> list[str]:
-    """The reasons of the scheduler's re-plans, in order, from its log."""
+class Replan(NamedTuple):
+    """One re-plan of the scheduler process: its trigger(s) and how long the joint plan took."""
+    reason: str
+    planner_ms: float | None
+
+
+def _scheduler_replans(log: Path) -> list[Replan]:
+    """The scheduler's re-plans, in order, from its log (``tensile.server``'s "re-plan" lines)."""
     if not log.exists():
         return []
-    pat = re.compile(r"re-plan v\d+ \((.*)\): \d+ jobs")
-    return [m.group(1) for ln in log.read_text(errors="replace").splitlines()
-            if (m := pat.search(ln))]
+    pat = re.compile(r"re-plan v\d+ \((.*)\): \d+ jobs(?:.*, ([0-9.]+) ms$)?")
+    return [Replan(m.group(1), float(m.group(2)) if m.group(2) else None)
+            for ln in log.read_text(errors="replace").splitlines() if (m := pat.search(ln))]
 
 
 def _reason_kinds(reasons: list[str]) -> dict[str, int]:
@@ -1115,6 +1134,7 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
                       f"stack_released_mb_{name}": res.get("stack_released_mb"),
                       f"blas_released_mb_{name}": res.get("blas_released_mb"),
                       f"compacted_{name}": res.get("compacted"),
+                      f"capture_s_{name}": res.get("capture_s"),
                       f"iters_to_steady_{name}": s["iters_to_steady"], f"loss_{name}": res["loss"],
                       f"measured_iters_{name}": s["iters"],
                       f"measured_captures_{name}": s["captures"],
@@ -1217,8 +1237,9 @@ def _msr_above_idle(mem: dict, ref: dict, key: str) -> float | None:
 
 
 def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: MemorySampler,
-             reasons: list[str], opts: Options, files: dict[str, str]) -> dict:
+             replans: list[Replan], opts: Options, files: dict[str, str]) -> dict:
     """The setting's device-level row (``backend`` = GPU)."""
+    reasons = [r.reason for r in replans]
     mem = memory_figures(sampler.samples, opts.memory_gb)
     models = list(dict.fromkeys(j.model for j in setting.jobs))
     both = [j.job_id for j in setting.jobs
@@ -1231,7 +1252,9 @@ def _gpu_row(setting: Setting, outs: dict[str, dict[str, JobOutcome]], sampler: 
              "memory_source": sampler.source, **mem,
              "eor": eor, "cbr": msr / eor if msr is not None and eor and eor > 0 else None,
              "replans": len(reasons), "replan_kinds": _reason_kinds(reasons),
-             "replan_reasons": reasons[:50], "budget_bytes": opts.budget_bytes,
+             "replan_reasons": reasons[:50],
+             "replan_planner_ms": [r.planner_ms for r in replans][:50],
+             "budget_bytes": opts.budget_bytes,
              "budget_share": opts.budget_share,
              "memory_gb": opts.memory_gb, **files}
     if sampler.source == "rss":
@@ -1351,7 +1374,7 @@ def run_setting(setting: Setting, opts: Options, probe: dict, store: ResultStore
             except Exception as exc:  # noqa: BLE001 - e.g. the scheduler did not come up
                 why = f"{phase} phase failed: {type(exc).__name__}: {exc}"[:500]
                 outs[phase] = {j.job_id: JobOutcome(j, error=why) for j in setting.jobs}
-        reasons = _scheduler_replans(work / "scheduler-tensile.log")
+        replans = _scheduler_replans(work / "scheduler-tensile.log")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir = store.path.parent
@@ -1367,7 +1390,7 @@ def run_setting(setting: Setting, opts: Options, probe: dict, store: ResultStore
                                                      outs["tensile"][j.job_id], opts)})
             for j in setting.jobs]
     rows.append(store.append({**env, **common,
-                              **_gpu_row(setting, outs, sampler, reasons, opts, files)}))
+                              **_gpu_row(setting, outs, sampler, replans, opts, files)}))
     return rows
 
 

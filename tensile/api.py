@@ -389,6 +389,7 @@ class Scheduler:
         self._graph: GraphStep | None = None            # see replay()
         self._graph_plan: Plan | None = None
         self.captures = 0                               # graphs captured by capture()
+        self.capture_s: list[dict[str, float]] = []     # each capture's set-up: see capture()
         vanilla_peak = int(self.recording.timeline(self.times.op_ms).vanilla_curve().max())
         self.budget_bytes = resolve_budget(budget, self.device, vanilla_peak, self.simulate)
         hint = fragmentation_hint(self.budget_bytes, self.device, expandable_segments)
@@ -529,6 +530,11 @@ class Scheduler:
         the graph keeps: with ``"always"`` here and the default at construction, the eager
         steps before the capture plan in seconds (Inception-v4 at b=16: a minute a plan
         with the search).
+
+        Each capture appends where its set-up time went to :attr:`capture_s`, in seconds:
+        with ``plan_for_graph``, ``time_vanilla`` (the vanilla step captured and timed),
+        ``profile_ops`` (its op times) and ``plan`` (planning, or waiting for the scheduler
+        process's plan); always ``warmup`` and ``capture`` (:attr:`GraphStep.setup_s`).
         """
         if swap_search is not None:
             check_swap_search(swap_search)
@@ -550,15 +556,17 @@ class Scheduler:
             raise ValueError(f"batch {_signature(batch)} differs from the example batch "
                              f"{self._example}")
         self.runner.check_capturable()
+        phases: dict[str, float] = {}
         if plan_for_graph:
             if swap_search is not None:   # a partial of the partial: its keywords merged
                 self.planner = functools.partial(self.planner, swap_search=swap_search)
-            self._plan_for_captured_step(batch, warmup)
+            phases = self._plan_for_captured_step(batch, warmup)
         self._graph_plan = self.plan
         self.runner.time_captured_copies = time_copies
         graph = GraphStep(lambda b, capturing: self.runner.step(b, capturing=capturing).loss,
                           batch, self.model, self.optimizer, warmup=warmup)
         self.captures += 1
+        self.capture_s.append({**phases, **graph.setup_s})
         return graph
 
     @property
@@ -601,8 +609,9 @@ class Scheduler:
             self._graph = self.capture(*batch, plan_for_graph=not graph_timed)
         return self._graph(*batch)
 
-    def _plan_for_captured_step(self, batch: Sequence, warmup: int) -> None:
-        """Re-plan with the op times of the step as a CUDA graph runs it.
+    def _plan_for_captured_step(self, batch: Sequence, warmup: int) -> dict[str, float]:
+        """Re-plan with the op times of the step as a CUDA graph runs it; returns the seconds
+        each part took (see :meth:`capture`).
 
         Each op's time comes from one graph of the vanilla step with an event after every
         op (:func:`tensile.optimes.step_op_profile`): no host gaps. They are scaled to add
@@ -614,15 +623,18 @@ class Scheduler:
         the CUDA RNG are put back afterwards. With a scheduler process, the op times go to
         it (``retimed``) and its new plan is awaited (at most ``_RETIME_WAIT_S``).
         """
+        t0 = time.perf_counter()
         vanilla = GraphStep(lambda b, capturing: training_step(self.model, self.optimizer, b,
                                                                self.loss_fn),
                             batch, self.model, self.optimizer, warmup=warmup)
         self.captured_vanilla_ms = vanilla.replay_ms(_TIMING_REPLAYS, _TIMING_ROUNDS, _TIMING_GAP_S)
         del vanilla                    # its private pool goes back before the real capture
+        t1 = time.perf_counter()
         with step_state_kept(self.model, self.optimizer):
             profile = step_op_profile(self.model, self.optimizer, batch, self.loss_fn)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+        t2 = time.perf_counter()
         op_ms = profile.op_ms
         if len(op_ms) != len(self.estimated_op_ms):
             log.warning("the captured step ran %d ops, the recording has %d: planning with the "
@@ -653,6 +665,7 @@ class Scheduler:
             self.runner.set_plan(self.plan)
             self.replans += 1
         self.runner.check_capturable()   # a custom planner might move state across iterations
+        return {"time_vanilla": t1 - t0, "profile_ops": t2 - t1, "plan": time.perf_counter() - t2}
 
     def heartbeat(self) -> None:
         """Tell the scheduler process the job is alive (during long pauses between steps).

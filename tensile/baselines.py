@@ -273,7 +273,13 @@ def _compile_budget(model, optimizer, loss_fn, example_batch, *,
 def _graph_stats(graph: GraphStep) -> dict:
     mib = 2**20
     return {"graph_peak_mb": graph.peak_bytes / mib, "graph_pool_mb": graph.pool_bytes / mib,
-            "graph_reserved_mb": graph.reserved_bytes / mib}
+            "graph_reserved_mb": graph.reserved_bytes / mib,
+            "capture_s": _seconds(graph.setup_s)}
+
+
+def _seconds(phases: dict[str, float]) -> dict[str, float]:
+    """A capture's set-up seconds by part, to the millisecond."""
+    return {k: round(v, 3) for k, v in phases.items()}
 
 
 class _SeededOps(TorchDispatchMode):
@@ -388,6 +394,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                 "bytes_moved_per_step": sched.plan.bytes_moved,
                 # the replay time of the captured vanilla step the plan was made for
                 "captured_vanilla_ms": sched.captured_vanilla_ms,
+                # where the capture's set-up went: timing, profiling, planning too
+                "capture_s": _seconds(sched.capture_s[-1]),
                 **(_stream_stats(streamed) if stream_optimizer else {})}
     return StepFn("tensile_graph", lambda b: graph(*b), stats, sched.snapshot)
 

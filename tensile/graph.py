@@ -77,7 +77,9 @@ class GraphStep:
     ``peak_bytes``: the device's allocated peak during the capture (weights, optimizer
     state and the captured step's own peak); ``pool_bytes``: what the graph's pool
     reserved; ``reserved_bytes``: all the allocator reserved right after the capture.
-    A replay allocates nothing: these are what every replay needs.
+    A replay allocates nothing: these are what every replay needs. ``setup_s``: seconds
+    the set-up took, ``warmup`` (the uncaptured steps, state saved and put back) and
+    ``capture`` (the captured step and the graph's instantiation).
     """
 
     def __init__(self, step: StepFn, batch: Sequence[torch.Tensor], model: nn.Module,
@@ -95,6 +97,7 @@ class GraphStep:
         check_whole_step_allocator()
         self.model, self.optimizer = model, optimizer
         self.static_batch = tuple(t.detach().clone() for t in batch)
+        t0 = time.perf_counter()
         saved = save_step_state(model, optimizer)
         with torch.random.fork_rng(devices=[device]):
             current, side = torch.cuda.current_stream(device), warmup_stream(device)
@@ -108,12 +111,14 @@ class GraphStep:
         # The saved copies (module and optimizer state) are not needed any more: freed
         # before the capture, so the captured peak below is the step's own.
         del saved
+        t1 = time.perf_counter()
         torch.cuda.reset_peak_memory_stats(device)
         meter = GraphMemoryMeter()    # synchronises and empties the cache first
         self.graph = torch.cuda.CUDAGraph()
         with capture_graph(self.graph, stream=warmup_stream(device)):
             self.static_loss = step(self.static_batch, True)
         torch.cuda.synchronize(device)
+        self.setup_s = {"warmup": t1 - t0, "capture": time.perf_counter() - t1}
         self.peak_bytes = torch.cuda.max_memory_allocated(device)
         self.pool_bytes = meter.read()
         self.reserved_bytes = torch.cuda.memory_reserved(device)

@@ -484,8 +484,13 @@ def test_capture_plans_for_the_captured_steps_own_timing():
     loss = graph(*data[1])
     assert torch.isfinite(loss)
     kept = sched.replans
-    sched.capture(*data[0], plan_for_graph=False)            # the plan as it is
+    again = sched.capture(*data[0], plan_for_graph=False)    # the plan as it is
     assert sched.replans == kept
+    # where each capture's set-up went: timing, profiling and planning only when it planned
+    first, second = sched.capture_s
+    assert set(first) == {"time_vanilla", "profile_ops", "plan", "warmup", "capture"}
+    assert second == again.setup_s and set(second) == {"warmup", "capture"}
+    assert all(v > 0 for v in (*first.values(), *second.values()))
 
 
 def test_replay_captures_again_only_for_a_plan_that_does_something_else():

@@ -91,10 +91,14 @@ def test_rows_for_every_job_and_the_gpu(copies2):
         # what the job's last plan assumed; its timed steps (the first measured one) timed
         assert e["plan_iteration_ms"] > 0 and e["timed_steps"] >= 1
         assert e["stall_ms_per_timed_step"] is not None
+        assert e["capture_s_vanilla"] == e["capture_s_tensile"] == []   # nothing captured
     gpu = rows["GPU"]["extra"]
     assert gpu["memory_source"] == "rss" and "RSS" in gpu["memory_note"]
     assert isinstance(gpu["msr_nvml"], float)
     assert gpu["replan_kinds"]["arrival"] == 2 and gpu["replan_kinds"]["first_measurement"] >= 1
+    # the scheduler's time for each joint plan, read off its log beside the reasons
+    assert len(gpu["replan_planner_ms"]) == len(gpu["replan_reasons"]) == gpu["replans"]
+    assert all(isinstance(ms, float) and ms >= 0 for ms in gpu["replan_planner_ms"])
 
 
 def test_timeline_and_plot_with_arrivals_and_exits(copies2):
@@ -272,6 +276,21 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
         ("vgg16-1", 35, True), ("resnet50-1", 20, False), ("vgg16-2", 35, True)]
     assert dyn.arrive_every == 5
+
+
+def test_replans_and_their_planner_times_come_from_the_scheduler_log(tmp_path):
+    log = tmp_path / "scheduler.log"
+    log.write_text(
+        "INFO job a-1 registered: 812 ops, weight 1\n"
+        "INFO re-plan v1 (arrival of a-1): 1 jobs, joint peak 10.0 -> 8.0 MiB (sum of job "
+        "peaks 10.0 MiB), budget none, feasible True, 212.5 ms\n"
+        "INFO re-plan v2 (a-1 retimed (14.36 ms per iteration); departure of b-2 (left)): 2 jobs, "
+        "joint peak 20.0 -> 16.0 MiB (sum of job peaks 21.0 MiB), budget 17.0 MiB, "
+        "feasible False, 7034.0 ms\n")
+    assert tm._scheduler_replans(log) == [
+        tm.Replan("arrival of a-1", 212.5),
+        tm.Replan("a-1 retimed (14.36 ms per iteration); departure of b-2 (left)", 7034.0)]
+    assert tm._scheduler_replans(tmp_path / "none.log") == []
 
 
 def test_settle_index():
@@ -484,6 +503,12 @@ def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_p
     # both phases replay graphs: the plan's extra time is the GPU's, not the host's
     # (H200: 5.30 against 5.21 ms; the eager runtime's job took 2.4x its vanilla step)
     assert e["iter_ms_median_tensile"] < 1.5 * e["iter_ms_median_vanilla"]
+    # where each capture's set-up went: the vanilla job's one capture, and the TENSILE
+    # job's first (planned for the graph: timed, profiled, planned)
+    assert [set(c) for c in e["capture_s_vanilla"]] == [{"warmup", "capture"}]
+    first = e["capture_s_tensile"][0]
+    assert set(first) == {"time_vanilla", "profile_ops", "plan", "warmup", "capture"}
+    assert all(v > 0 for v in first.values())
 
 
 @pytest.mark.gpu
