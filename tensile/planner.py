@@ -600,7 +600,7 @@ class PlanState:
         ok = (self.vlo <= p) & (p <= self.vhi) & self.movable & untouched & (self.nbytes >= min_bytes)
         idx = np.nonzero(ok)[0]
         order = np.lexsort((self.sids[idx], -self.nbytes[idx]))
-        return [int(self.sids[i]) for i in idx[order]]
+        return self.sids[idx[order]].tolist()   # Python ints, as the callers' sets hold
 
     def commit(self, sid: int, lo: int, hi: int) -> None:
         self.mem[lo:hi + 1] -= self.tl.tensors[sid].nbytes

@@ -291,3 +291,32 @@ def test_joint_plans_keep_every_invariant(jobs, bw, budget_frac):
     if budget_frac is not None:
         assert jp.budget_bytes == max(1, int(budget_frac * layout_jobs(jobs).joint_curve(
             {j.job_id: j.timeline.vanilla_curve() for j in jobs}).max()))
+
+
+# -------------------------------------------------------------------- a job's channel view
+def _fold_all(busy, phase: float, period: float) -> list[tuple[float, float]]:
+    """Every shared interval folded into one job's period at once, sorted and merged."""
+    from tensile.multi import EPS, _wrap
+    folded = sorted(x for s, e in busy for x in _wrap(s - phase, e - phase, period))
+    merged: list[list[float]] = []
+    for s, e in folded:
+        if merged and s <= merged[-1][1] + EPS:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return [(s, e) for s, e in merged]
+
+
+@settings(max_examples=200, deadline=None)
+@given(copies=st.lists(st.tuples(st.floats(0, 40), st.floats(0.001, 12)), min_size=1, max_size=30),
+       phase=st.floats(0, 10), period=st.floats(1, 20), looks=st.sets(st.integers(0, 30)))
+def test_a_jobs_channel_view_folds_new_copies_into_what_it_saw(copies, phase, period, looks):
+    """The view is brought up to date with the copies added since it was last looked at;
+    whenever it is looked at, it is what folding every copy so far at once gives."""
+    from tensile.multi import _JobChannel, _SharedChannel
+    shared = _SharedChannel(cycle=40.0)
+    view = _JobChannel(shared, phase, period, repeats=1)
+    for k, (start, length) in enumerate(copies):
+        shared.add(start, start + length)
+        if k in looks or k == len(copies) - 1:
+            assert view._view().busy == _fold_all(shared.busy, phase, period)
