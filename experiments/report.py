@@ -1010,8 +1010,10 @@ def tensile_multi_runs(df: pd.DataFrame, paper: pd.DataFrame | None = None,
     carry its GPU row's date. With ``timelines`` (the folder of the runs' memory timelines) the
     device-level memory figures (NVML MSR, idle and steady peaks, and from them the allocator
     share and what lies outside the allocators) are derived again from the run's timeline by
-    the current rule (:func:`experiments.tensile_multi.memory_figures`), else they are the row's."""
-    from experiments.tensile_multi import memory_figures, read_timeline
+    the current rule (:func:`experiments.tensile_multi.memory_figures`), else they are the row's;
+    so is ``first capture s (jobs)``: the mean over TENSILE's jobs of their first capture's
+    seconds (``--captured`` runs; :func:`experiments.tensile_multi.capture_seconds`)."""
+    from experiments.tensile_multi import capture_seconds, memory_figures, read_timeline
     rows = df[df["experiment"] == "tensile_multi"]
     out = []
     for _, g in rows[rows["backend"] == "GPU"].sort_values("date", kind="stable").iterrows():
@@ -1024,8 +1026,12 @@ def tensile_multi_runs(df: pd.DataFrame, paper: pd.DataFrame | None = None,
             vals = [x[key] for x in extras if x.get(key) is not None]
             return round(float(np.mean(vals)), 3) if vals else None
 
+        first_capture = None
         if timelines is not None and e.get("timeline_csv") and (timelines / e["timeline_csv"]).exists():
-            e = {**e, **memory_figures(read_timeline(timelines / e["timeline_csv"]))}
+            samples = read_timeline(timelines / e["timeline_csv"])
+            e = {**e, **memory_figures(samples)}
+            firsts = [spans[0] for spans in capture_seconds(samples, "tensile").values()]
+            first_capture = round(float(np.mean(firsts)), 1) if firsts else None
         msr, eor = e.get("msr_nvml"), e.get("eor")
         line = {"setting": g["mode"] + ("*" if g["smoke"] else ""), "batch": g["batch_size"],
                 "run": str(g["date"])[:16].replace("T", " "), "plot": e.get("plot_png"),
@@ -1033,6 +1039,7 @@ def tensile_multi_runs(df: pd.DataFrame, paper: pd.DataFrame | None = None,
                 "allocator share": _allocator_share(e, extras),
                 "outside allocators MB": _outside_allocators(e, extras),
                 "EOR": None if eor is None else round(eor, 3), "re-plans": e.get("replans"),
+                "first capture s (jobs)": first_capture,
                 "MSR alloc (jobs)": mean("msr_alloc"), "MSR reserved (jobs)": mean("msr_reserved"),
                 "cold-start MSR (jobs)": mean("cold_start_msr"),
                 "iters to steady (jobs)": mean("iters_to_steady"),
@@ -1087,6 +1094,7 @@ def tensile_multi_latest(runs: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(out)   # without the runs' own columns (model, copies, met, one-sided)
     return table[[c for c in ("setting", "batch", "run", "runs", "plot", "status", "MSR (NVML)",
                               "allocator share", "outside allocators MB", "EOR", "re-plans",
+                              "first capture s (jobs)",
                               "MSR alloc (jobs)", "MSR reserved (jobs)", "cold-start MSR (jobs)",
                               "iters to steady (jobs)", "planned step / vanilla (jobs)",
                               "paper MSR", "paper EOR", "paper cold-start MSR", "verdict")
@@ -1925,7 +1933,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "used memory: the part any plan can act on (the rest is each process's CUDA context, "
                "kernels and library handles), so MSR (NVML) ≤ allocator share; outside allocators = "
                "that rest in MB, vanilla → tensile (used above idle minus the jobs' reserved peaks): "
-               "what a TENSILE process adds there offsets what its plan saves; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; the (jobs) "
+               "what a TENSILE process adds there offsets what its plan saves; EOR = sum of the jobs' mean step times, tensile / vanilla − 1; "
+               "first capture s = how long a TENSILE job's first captured step took (it times and "
+               "profiles the vanilla step and waits for the plan made for the graph; from the "
+               "timeline, `captured` settings only); the (jobs) "
                "columns are means over the setting's jobs (allocator peaks over the measured steps; "
                "in `captured` settings without the steps that captured a graph, whose time is left "
                "out of EOR too, and with a replayed graph counted at its capture's allocated peak, "

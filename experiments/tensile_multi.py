@@ -173,7 +173,7 @@ from tensile.streamed import DEFAULT_PREFETCH
 
 __all__ = ["JobSpec", "Setting", "Options", "build_settings", "settle_index", "run_job",
            "MemorySampler", "run_phase", "phase_memory", "write_timeline", "read_timeline",
-           "memory_figures", "plot_timeline",
+           "memory_figures", "capture_seconds", "plot_timeline",
            "run_setting", "run", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1210,6 +1210,20 @@ def phase_memory(samples: list[tuple], phase: str) -> dict[str, float | None]:
     steady = [u for t, u in plain if begin <= t <= end and not any(a <= t <= b for a, b in spans)]
     return {"idle_mb": min(idle) / MB, "peak_all_mb": max(u for _, u in plain) / MB,
             "peak_mb": max(steady) / MB if steady else None}
+
+
+def capture_seconds(samples: list[tuple], phase: str) -> dict[str, list[float]]:
+    """Per job, how long each step that captured a graph took in ``phase`` (s, in order: the
+    ``capture``/``captured`` events of ``--captured`` runs; a job's first capture also times
+    and profiles its vanilla step and, under TENSILE, waits for the plan made for it)."""
+    began: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
+    for t, kind, job in _events(samples, phase):
+        if kind == "capture":
+            began[job] = t
+        elif kind == "captured" and job in began:
+            out.setdefault(job, []).append(t - began.pop(job))
+    return out
 
 
 def _events(samples: list[tuple], phase: str) -> list[tuple[float, str, str]]:

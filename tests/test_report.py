@@ -802,7 +802,8 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     # (the current steady-window rule), not taken from the row
     from experiments.tensile_multi import MB, write_timeline
     samples = [(ph, t, u * MB, e) for ph in ("vanilla", "tensile") for t, u, e in (
-        (0.0, 600, ""), (0.1, 600, "arrive a"), (0.2, 2000, "ready a"), (0.3, 2000, "measuring a"),
+        (0.0, 600, ""), (0.1, 600, "arrive a"), (0.2, 2000, "ready a"), (0.21, 2000, "capture a"),
+        (0.29, 2000, "captured a"), (0.3, 2000, "measuring a"),
         (0.4, 1600 if ph == "vanilla" else 1100, ""), (0.5, 600, "exit a"))]
     write_timeline(samples, tmp_path / "h200" / "t.csv")
     latest = {**later, "date": "2099-01-02T00:00:00+00:00"}
@@ -816,7 +817,9 @@ def test_several_jobs_table_says_how_much_of_the_gpu_a_plan_can_touch(tmp_path):
     assert table.loc[0, "MSR (NVML)"] == 0.5            # 1 - (1100-600)/(1600-600), not 0.9
     # and what lies outside the allocators from the same peaks: 1000-600 → 500-300, not → -800
     assert table.loc[0, "outside allocators MB"] == "400 → 200"
-    assert report.tensile_multi_table(report.load_rows(tmp_path / "h200")).loc[0, "MSR (NVML)"] == 0.9
+    assert table.loc[0, "first capture s (jobs)"] == 0.1   # its job's capture: 0.21 → 0.29 s
+    without = report.tensile_multi_table(report.load_rows(tmp_path / "h200"))
+    assert without.loc[0, "MSR (NVML)"] == 0.9 and without.loc[0, "first capture s (jobs)"] is None
 
 
 def test_a_several_jobs_verdict_says_when_only_tensiles_jobs_trimmed_or_compacted(tmp_path):

@@ -293,6 +293,15 @@ def test_replans_and_their_planner_times_come_from_the_scheduler_log(tmp_path):
     assert tm._scheduler_replans(tmp_path / "none.log") == []
 
 
+def test_capture_seconds_per_job_from_the_timeline_events():
+    samples = [("tensile", t, 0, e) for t, e in (
+        (1.0, "capture a-1"), (1.5, "capture a-2"), (4.0, "captured a-1"), (4.5, ""),
+        (9.5, "captured a-2"), (20.0, "capture a-1"), (20.5, "captured a-1"))]
+    samples.append(("vanilla", 1.0, 0, "capture a-1"))   # another phase, never captured
+    assert tm.capture_seconds(samples, "tensile") == {"a-1": [3.0, 0.5], "a-2": [8.0]}
+    assert tm.capture_seconds(samples, "vanilla") == {}
+
+
 def test_settle_index():
     assert tm.settle_index([50, 30, 11, 10, 10.5, 9.5], 10) == 2
     assert tm.settle_index([10, 10, 10], 10) == 0
