@@ -54,6 +54,8 @@ from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
 from .scale import batch_size_of, scale_recording, slice_batch, valid_record_batches
+from .simulate import held_at
+from .simulate import simulate as simulate_plan
 from .snapshot import PlanningSnapshot
 from .step import training_step
 from .streamed import streamed_of
@@ -211,6 +213,40 @@ def fragmentation_hint(budget_bytes: int | None, device: torch.device,
             "PYTORCH_ALLOC_CONF, but some releases ignored it for this setting).")
 
 
+def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recompute: bool = True,
+                         streamed: bool = False) -> str:
+    """The warning for a plan that misses its budget: where its peak is, what is resident
+    there (:func:`tensile.simulate.held_at`), and what could meet it (recomputation where
+    ``allow_recompute`` is off, the optimizer's state on the host where it is held there and
+    the optimizer is not ``streamed``)."""
+    def size(nbytes: int) -> str:
+        for unit, shift in (("MiB", 20), ("KiB", 10)):
+            if nbytes >= 1 << shift:
+                return f"{nbytes / (1 << shift):.1f} {unit}"
+        return f"{nbytes} B"
+    sim = simulate_plan(timeline, plan)
+    k = sim.peak_op
+    held = held_at(timeline, plan, k)
+    parts = [(label, held.get(role, 0)) for role, label in _HELD_LABELS]
+    parts.append(("other", sum(b for r, b in held.items() if r not in dict(_HELD_LABELS))))
+    shown = ", ".join(f"{label} {size(b)}" for label, b in parts if b)
+    ways = ["a larger budget"]   # what could meet it
+    if not allow_recompute:
+        ways.append("recomputation (allow_recompute=True)")
+    if held.get("opt_state", 0) and not streamed:
+        ways.append("the optimizer's state kept on the host (tensile.stream_optimizer)")
+    return (f"tensile: no plan meets the budget of {size(plan.budget_bytes)}; the best peaks at "
+            f"{size(sim.peak)} ({size(plan.peak_before)} without a plan) during op {k} "
+            f"({base_name(timeline.names[k])}, {timeline.phases[k]}), which holds "
+            f"{shown or 'nothing'}. Training goes on under that plan, above the budget. "
+            f"Consider {', or '.join(ways)}.")
+
+
+# :func:`unmet_budget_message`'s names of the tensor roles (tensile.timeline.ROLES)
+_HELD_LABELS = (("param", "parameters"), ("opt_state", "optimizer state"),
+                ("activation", "activations and gradients"), ("workspace", "workspaces"))
+
+
 def resolve_budget(budget: int | float | None, device: torch.device, vanilla_peak: int,
                    simulate: bool) -> int | None:
     """Bytes from a budget given as bytes (int) or a fraction in (0, 1] (float).
@@ -243,8 +279,9 @@ class Scheduler:
     loss. Every later batch must have the same shapes (the op sequence is checked).
     ``budget``: bytes, a fraction of the GPU, or ``None`` to minimise the peak at no
     extra simulated time, or, with ``max_overhead`` (a fraction of the iteration time,
-    e.g. 0.05), with recomputation that adds at most that much. Rates and bandwidths are
-    measured unless given.
+    e.g. 0.05), with recomputation that adds at most that much. A budget no plan meets is
+    said in a warning (:func:`unmet_budget_message`), once until a plan meets it again.
+    Rates and bandwidths are measured unless given.
     ``simulate`` (default: model on CPU) runs the CPU bookkeeping mode of the runtime.
     ``replan=False`` keeps the cold-start plan (no timed step, no drift re-plans).
     ``allow_swaps=False`` plans recomputation only (local planning). ``rebuild_ahead``
@@ -399,6 +436,7 @@ class Scheduler:
         self.replans = 0
         self.drift_events = 0
         self.planner_ms_total = 0.0
+        self._warned_unmet = False   # see _plan()
         self.client: TensileClient | None = None
         self.plans_received = 0
         # cold start: estimated op times only (the scheduler's plan, if any, comes below)
@@ -799,10 +837,19 @@ class Scheduler:
                     plan_reason=c.reason, plans_received=self.plans_received)
 
     def _plan(self) -> Plan:
-        p = self.planner(self.timeline, budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw,
+        tl = self.timeline
+        p = self.planner(tl, budget_bytes=self.budget_bytes, d2h_bw=self.d2h_bw,
                          h2d_bw=self.h2d_bw, copy_latency_ms=self.copy_latency_ms,
                          min_bytes=self.min_bytes)
         self.planner_ms_total += p.planner_ms
+        unmet = p.budget_bytes is not None and not p.feasible
+        if unmet and not self._warned_unmet:   # once, until a plan meets the budget again
+            # (allow_recompute is an option of TENSILE's planner, not of a planner= given)
+            recompute = (self._planner_options() or {}).get("allow_recompute", True)
+            streamed = streamed_of(self.optimizer) is not None
+            warnings.warn(unmet_budget_message(tl, p, allow_recompute=recompute,
+                                               streamed=streamed), stacklevel=3)
+        self._warned_unmet = unmet
         return p
 
     def _record_scaled(self, batch: Sequence, sizes: Sequence[int]) -> Recording:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import Plan
-from .timeline import AccessTimeline
+from .timeline import ROLES, AccessTimeline
 
-__all__ = ["SimResult", "simulate", "absent_ranges", "kept_ranges"]
+__all__ = ["SimResult", "simulate", "absent_ranges", "kept_ranges", "held_at"]
 
 
 @dataclass
@@ -89,6 +89,28 @@ def simulate(timeline: AccessTimeline, plan: Plan | None = None) -> SimResult:
     curve = timeline.vanilla_curve() + np.cumsum(diff[:-1])
     k = int(np.argmax(curve)) if n else 0
     return SimResult(curve=curve, peak=int(curve[k]) if n else 0, peak_op=k)
+
+
+def held_at(timeline: AccessTimeline, plan: Plan | None, op: int) -> dict[str, int]:
+    """What is resident during ``op`` with ``plan`` applied (``None``: vanilla), in bytes per
+    tensor role (every one of :data:`tensile.timeline.ROLES`; gradients are activations),
+    plus ``workspace``: the op's ``scratch``. The values add up to :func:`simulate`'s curve
+    at ``op``: what a plan that misses its budget still holds at its peak."""
+    if not 0 <= op < timeline.num_ops:
+        raise ValueError(f"op: expected an index in [0, {timeline.num_ops}), got {op!r}")
+    absent = absent_ranges(timeline, plan) if plan is not None else {}
+    kept = kept_ranges(timeline, plan.recomputes) if plan is not None else {}
+    held = dict.fromkeys(ROLES, 0)
+    for sid, t in timeline.tensors.items():
+        lo, hi = timeline.vanilla_range(sid)
+        gone = sid in absent and absent[sid][0] <= op <= absent[sid][1]
+        on = (lo <= op <= hi and not gone) or (sid in kept and kept[sid][0] <= op <= kept[sid][1])
+        on = on or any(r.before_op == op and sid in r.transient
+                       for r in (plan.recomputes if plan is not None else []))
+        if on:
+            held[t.role] += t.nbytes
+    held["workspace"] = int(timeline.scratch.get(op, 0))
+    return held
 
 
 def _known(timeline: AccessTimeline, sid: int) -> None:

@@ -13,7 +13,7 @@ from tensile.plan import Plan, Recompute, Swap
 import tensile.planner
 from tensile import PlanningSnapshot
 from tensile.planner import CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS, _greedy, plan
-from tensile.simulate import absent_ranges, kept_ranges, simulate
+from tensile.simulate import absent_ranges, held_at, kept_ranges, simulate
 from tensile.timeline import CROSS_ITERATION_ROLES, AccessTimeline
 
 EPS = 1e-6
@@ -830,6 +830,34 @@ def test_planning_snapshot_round_trips_and_rejects_other_files(tmp_path):
     broken["op_ms"] = broken["op_ms"][:-1]
     with pytest.raises(ValueError, match="planning snapshot: timeline.names"):
         PlanningSnapshot.from_dict(broken)
+
+
+@given(tl=timelines(), bw=st.floats(1e3, 1e9), frac=st.floats(0.2, 1.0))
+def test_what_is_held_at_each_op_adds_up_to_the_replayed_curve(tl, bw, frac):
+    """held_at splits simulate's curve by role: swaps, rebuilds, kept sources and inputs
+    rebuilt for one recompute alone count where the replay counts them."""
+    p = plan(tl, budget_bytes=max(1, int(frac * tl.vanilla_curve().max())), d2h_bw=bw, h2d_bw=bw)
+    curve, vanilla = simulate(tl, p).curve, tl.vanilla_curve()
+    for k in range(tl.num_ops):
+        assert sum(held_at(tl, p, k).values()) == curve[k]
+        assert sum(held_at(tl, None, k).values()) == vanilla[k]
+
+
+def test_what_is_held_leaves_out_a_swapped_tensor_while_it_is_away():
+    tl = _simple()
+    for cross, sid, role in ((True, 4, "opt_state"), (False, 11, "activation")):
+        p = plan(tl, budget_bytes=28 * MB, d2h_bw=1e10, h2d_bw=1e10, allow_recompute=False,
+                 allow_cross_iteration=cross)
+        away = absent_ranges(tl, p)
+        assert list(away) == [sid], p.swaps   # Adam's state, else relu's output
+        for k in range(tl.num_ops):
+            during, vanilla = held_at(tl, p, k), held_at(tl, None, k)
+            gone = tl.tensors[sid].nbytes if away[sid][0] <= k <= away[sid][1] else 0
+            assert vanilla[role] - during[role] == gone
+            assert {r: b for r, b in during.items() if r != role} == \
+                {r: b for r, b in vanilla.items() if r != role}
+    with pytest.raises(ValueError, match=r"op: expected an index in \[0, 10\), got 10"):
+        held_at(tl, p, 10)
 
 
 def test_simulate_rejects_plan_of_other_timeline():

@@ -277,6 +277,36 @@ def test_bad_budgets_are_rejected(budget, err):
                           d2h_bw=1e9, h2d_bw=1e9, **FAST)
 
 
+def test_a_budget_no_plan_meets_is_said_once_with_what_holds_the_peak():
+    """Adam's state staying put (no moves across iterations), a budget of a tenth of the
+    peak is out of reach: said at the cold start, not again on the re-plan."""
+    import warnings
+    data = batches(3)
+    for allow_recompute in (True, False):
+        model = make_cnn()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with pytest.warns(UserWarning, match="no plan meets the budget") as said:
+            sched = tensile.Scheduler(model, opt, data[0], nn.functional.cross_entropy,
+                                      budget=0.1, d2h_bw=1e9, h2d_bw=1e9,
+                                      allow_recompute=allow_recompute,
+                                      allow_cross_iteration=False, **FAST)
+        text = str(said[0].message)
+        assert len(said) == 1 and not sched.plan.feasible
+        assert f"the budget of {sched.budget_bytes / 2**10:.1f} KiB" in text   # a small model
+        assert f"peaks at {sched.plan.peak_after / 2**10:.1f} KiB" in text
+        assert "optimizer state" in text and "tensile.stream_optimizer" in text
+        assert ("allow_recompute=True" in text) is not allow_recompute
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # the re-plan after the timed step misses it too
+            for b in data:
+                sched.step(*b)
+        assert sched.replans == 1 and not sched.plan.feasible
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # a budget the plan meets: nothing to say
+        tensile.Scheduler(make_cnn(), torch.optim.Adam(make_cnn().parameters()), data[0],
+                          nn.functional.cross_entropy, budget=1.0, d2h_bw=1e9, h2d_bw=1e9, **FAST)
+
+
 def test_cuda_runtime_refuses_a_cpu_model():
     model = make_cnn()
     opt = torch.optim.Adam(model.parameters())
