@@ -227,13 +227,14 @@ def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recomput
     sim = simulate_plan(timeline, plan)
     k = sim.peak_op
     held = held_at(timeline, plan, k)
-    parts = [(label, held.get(role, 0)) for role, label in _HELD_LABELS]
-    parts.append(("other", sum(b for r, b in held.items() if r not in dict(_HELD_LABELS))))
+    labels = dict(_HELD_LABELS)
+    parts = [(label, held[role]) for role, label in labels.items()]
+    parts.append(("other", sum(b for role, b in held.items() if role not in labels)))
     shown = ", ".join(f"{label} {size(b)}" for label, b in parts if b)
     ways = ["a larger budget"]   # what could meet it
     if not allow_recompute:
         ways.append("recomputation (allow_recompute=True)")
-    if held.get("opt_state", 0) and not streamed:
+    if held["opt_state"] and not streamed:
         ways.append("the optimizer's state kept on the host (tensile.stream_optimizer)")
     return (f"tensile: no plan meets the budget of {size(plan.budget_bytes)}; the best peaks at "
             f"{size(sim.peak)} ({size(plan.peak_before)} without a plan) during op {k} "

@@ -100,14 +100,15 @@ def held_at(timeline: AccessTimeline, plan: Plan | None, op: int) -> dict[str, i
         raise ValueError(f"op: expected an index in [0, {timeline.num_ops}), got {op!r}")
     absent = absent_ranges(timeline, plan) if plan is not None else {}
     kept = kept_ranges(timeline, plan.recomputes) if plan is not None else {}
+    # inputs rebuilt for one recompute alone, present while it runs (as simulate counts them)
+    rebuilt_now = {s for r in (plan.recomputes if plan is not None else [])
+                   if r.before_op == op for s in r.transient}
     held = dict.fromkeys(ROLES, 0)
     for sid, t in timeline.tensors.items():
         lo, hi = timeline.vanilla_range(sid)
         gone = sid in absent and absent[sid][0] <= op <= absent[sid][1]
         on = (lo <= op <= hi and not gone) or (sid in kept and kept[sid][0] <= op <= kept[sid][1])
-        on = on or any(r.before_op == op and sid in r.transient
-                       for r in (plan.recomputes if plan is not None else []))
-        if on:
+        if on or sid in rebuilt_now:
             held[t.role] += t.nbytes
     held["workspace"] = int(timeline.scratch.get(op, 0))
     return held
