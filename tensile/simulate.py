@@ -95,21 +95,22 @@ def held_at(timeline: AccessTimeline, plan: Plan | None, op: int) -> dict[str, i
     """What is resident during ``op`` with ``plan`` applied (``None``: vanilla), in bytes per
     tensor role (every one of :data:`tensile.timeline.ROLES`; gradients are activations),
     plus ``workspace``: the op's ``scratch``. The values add up to :func:`simulate`'s curve
-    at ``op``: what a plan that misses its budget still holds at its peak."""
+    at ``op`` (inputs rebuilt for one recompute alone count once more during it, as there):
+    what a plan that misses its budget still holds at its peak."""
     if not 0 <= op < timeline.num_ops:
         raise ValueError(f"op: expected an index in [0, {timeline.num_ops}), got {op!r}")
     absent = absent_ranges(timeline, plan) if plan is not None else {}
     kept = kept_ranges(timeline, plan.recomputes) if plan is not None else {}
-    # inputs rebuilt for one recompute alone, present while it runs (as simulate counts them)
-    rebuilt_now = {s for r in (plan.recomputes if plan is not None else [])
-                   if r.before_op == op for s in r.transient}
     held = dict.fromkeys(ROLES, 0)
     for sid, t in timeline.tensors.items():
         lo, hi = timeline.vanilla_range(sid)
         gone = sid in absent and absent[sid][0] <= op <= absent[sid][1]
-        on = (lo <= op <= hi and not gone) or (sid in kept and kept[sid][0] <= op <= kept[sid][1])
-        if on or sid in rebuilt_now:
+        if (lo <= op <= hi and not gone) or (sid in kept and kept[sid][0] <= op <= kept[sid][1]):
             held[t.role] += t.nbytes
+    for r in plan.recomputes if plan is not None else []:
+        if r.before_op == op:   # inputs rebuilt for it alone: once more, as simulate counts them
+            for sid in r.transient:
+                held[timeline.tensors[sid].role] += timeline.tensors[sid].nbytes
     held["workspace"] = int(timeline.scratch.get(op, 0))
     return held
 

@@ -843,6 +843,19 @@ def test_what_is_held_at_each_op_adds_up_to_the_replayed_curve(tl, bw, frac):
         assert sum(held_at(tl, None, k).values()) == vanilla[k]
 
 
+def test_what_is_held_adds_up_where_rebuilds_run_ahead_of_need():
+    """Inception-v4 at checkpointing's peak, rebuilds issued ahead (the GPU's plan): an input
+    rebuilt ahead for its own use is resident again when a recompute that reads it rebuilds it
+    once more for that recompute alone, and the replay counts it twice there (op 951)."""
+    snap = PlanningSnapshot.load(SNAPSHOTS / "snapshot_tensile_inception_v4_b16_tensile_graph_match_peak_"
+                                 "checkpoint_graph_copy_latency_ms_0.1_allow_swaps_false_bn_from_stats_"
+                                 "rebuild_ahead_2.json.gz")
+    tl, p = snap.timeline, snap.plan
+    assert any(r.before_op == 951 and r.transient for r in p.recomputes)
+    curve = simulate(tl, p).curve
+    assert [k for k in range(tl.num_ops) if sum(held_at(tl, p, k).values()) != curve[k]] == []
+
+
 def test_what_is_held_leaves_out_a_swapped_tensor_while_it_is_away():
     tl = _simple()
     for cross, sid, role in ((True, 4, "opt_state"), (False, 11, "activation")):
