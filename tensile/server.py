@@ -402,12 +402,14 @@ class SchedulerServer:
             self.replans.append(reason)
             self.last_joint = joint
             mib = 1 << 20
-            log.info("re-plan v%d (%s): %d jobs, joint peak %.1f -> %.1f MiB (sum of job "
-                     "peaks %.1f MiB), budget %s, feasible %s, %.1f ms", self.version, reason,
-                     len(jobs), joint.peak_before / mib, joint.peak_after / mib,
-                     joint.sum_of_peaks_before / mib,
-                     "none" if joint.budget_bytes is None else f"{joint.budget_bytes / mib:.1f} MiB",
-                     joint.feasible, joint.planner_ms)
+            # a plan over the budget is said louder: the jobs run above it
+            log.log(logging.INFO if joint.feasible else logging.WARNING,
+                    "re-plan v%d (%s): %d jobs, joint peak %.1f -> %.1f MiB (sum of job "
+                    "peaks %.1f MiB), budget %s, feasible %s, %.1f ms", self.version, reason,
+                    len(jobs), joint.peak_before / mib, joint.peak_after / mib,
+                    joint.sum_of_peaks_before / mib,
+                    "none" if joint.budget_bytes is None else f"{joint.budget_bytes / mib:.1f} MiB",
+                    joint.feasible, joint.planner_ms)
             summary = {"jobs": sorted(joint.plans), "cycle_ms": joint.layout.cycle_ms,
                        "peak_before": joint.peak_before, "peak_after": joint.peak_after,
                        "sum_of_peaks_before": joint.sum_of_peaks_before,

@@ -295,6 +295,17 @@ def test_a_budget_share_follows_the_joint_peak_as_jobs_arrive(start_server, clie
             SchedulerServer(srv.path.parent / "x.sock", **bad)
 
 
+def test_a_joint_plan_over_the_budget_is_logged_as_a_warning(start_server, clients, caplog):
+    caplog.set_level(logging.INFO, logger="tensile.server")
+    for budget, level in ((MB, logging.WARNING), (None, logging.INFO)):
+        caplog.clear()
+        srv = start_server(budget_bytes=budget)
+        plan = clients(srv).register(job_timeline(), bandwidths=BW)
+        (replan,) = [r for r in caplog.records if "re-plan v1" in r.getMessage()]
+        assert plan.feasible is (budget is None)
+        assert replan.levelno == level and f"feasible {plan.feasible}" in replan.getMessage()
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--budget", "1G", "--budget-share", "0.5"],
      "give --budget or --budget-share, not both (got 1073741824 bytes and 0.5)"),
