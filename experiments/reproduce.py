@@ -38,8 +38,8 @@ GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "multi
               "tensile_authors", "streamed_cost", "tensile_streamed"]
 # Inception-v4 at the TENSILE authors' memory saving: the sweep keeps four groups' Adam state on
 # the device, where this job cannot reach the saving; with fc's group alone resident it met the
-# target in 9 of 10 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md and
-# results/h200/README.md, fifty-fourth to fifty-eighth sessions).
+# target in 11 of 12 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md
+# and results/h200/README.md, fifty-fourth to fifty-ninth sessions).
 TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experiment.stream_optimizer=16",
                       "experiment.stream_resident=1"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
@@ -70,10 +70,11 @@ TENSILE_MULTI_VGG = ["--scenario", "copies", "--models", "vgg16", "--copies", "2
                      "--trim-stack", "tensile", "--compact", "tensile", "--trim-blas", "tensile"]
 # Inception-v4 x2/x3, which the settings above leave short of the authors' saving: the Adam state
 # of the 7 groups backward updates last streamed through one group's buffer, recomputation to
-# 0.83 of the jobs' joint peak, the process trims, expandable segments. On an H100 it met the
-# authors' figures in every run it was given: x2 3 of 3 (MSR 0.430-0.432 at EOR 0.051-0.066) and
-# x3 4 of 4 (0.425-0.428 at 0.048-0.062; results/h100-80gb-hbm3/README.md, fifty-eighth
-# session). Not yet run on the H200.
+# 0.83 of the jobs' joint peak, the process trims, expandable segments. On one H100 host it met
+# the authors' figures in every run it was given: x2 3 of 3 (MSR 0.430-0.432 at EOR 0.051-0.066)
+# and x3 4 of 4 (0.425-0.428 at 0.048-0.062; fifty-eighth session). On another it met neither in
+# two runs, its steps 1-1.5 ms slower (x2 EOR 0.089-0.101, x3 0.417-0.419 at 0.108-0.115;
+# fifty-ninth; results/h100-80gb-hbm3/README.md). Not yet run on the H200.
 TENSILE_MULTI_V4 = ["--scenario", "copies", "--models", "inception_v4", "--copies", "2,3", "--batch", "2",
                     "--captured", "--stream-optimizer", "16", "--stream-prefetch", "1",
                     "--stream-resident", "9", "--budget-share", "0.83",

@@ -213,6 +213,11 @@ def fragmentation_hint(budget_bytes: int | None, device: torch.device,
             "PYTORCH_ALLOC_CONF, but some releases ignored it for this setting).")
 
 
+# :func:`unmet_budget_message`'s names of the tensor roles (tensile.timeline.ROLES)
+_HELD_LABELS = {"param": "parameters", "opt_state": "optimizer state",
+                "activation": "activations and gradients", "workspace": "workspaces"}
+
+
 def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recompute: bool = True,
                          streamed: bool = False) -> str:
     """The warning for a plan that misses its budget: where its peak is, what is resident
@@ -227,9 +232,8 @@ def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recomput
     sim = simulate_plan(timeline, plan)
     k = sim.peak_op
     held = held_at(timeline, plan, k)
-    labels = dict(_HELD_LABELS)
-    parts = [(label, held[role]) for role, label in labels.items()]
-    parts.append(("other", sum(b for role, b in held.items() if role not in labels)))
+    parts = [(label, held[role]) for role, label in _HELD_LABELS.items()]
+    parts.append(("other", sum(b for role, b in held.items() if role not in _HELD_LABELS)))
     shown = ", ".join(f"{label} {size(b)}" for label, b in parts if b)
     ways = ["a larger budget"]   # what could meet it
     if not allow_recompute:
@@ -241,11 +245,6 @@ def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recomput
             f"({base_name(timeline.names[k])}, {timeline.phases[k]}), which holds "
             f"{shown or 'nothing'}. Training goes on under that plan, above the budget. "
             f"Consider {', or '.join(ways)}.")
-
-
-# :func:`unmet_budget_message`'s names of the tensor roles (tensile.timeline.ROLES)
-_HELD_LABELS = (("param", "parameters"), ("opt_state", "optimizer state"),
-                ("activation", "activations and gradients"), ("workspace", "workspaces"))
 
 
 def resolve_budget(budget: int | float | None, device: torch.device, vanilla_peak: int,
