@@ -250,6 +250,8 @@ class Options:
                                         # or "auto" (tensile.tune_resident, for the setting's jobs)
     stream_overhead: float = DEFAULT_STREAM_OVERHEAD   # ... with "auto": the delay the streaming may add
     stream_chunk_mb: float | None = None   # ... each update on at most this many MiB of parameters
+    bn_from_stats: bool = False         # TENSILE's jobs rebuild a recomputed batch norm from its
+                                        # batch statistics (Scheduler(batch_norm_from_stats=True))
     mps: bool = False                   # the jobs share the GPU through a private MPS daemon
     trim_stack: str = "none"            # which phases' jobs give back their thread-stack
                                         # reservation after their first step (PHASES)
@@ -290,6 +292,8 @@ def _suffix(opts: Options) -> str:
         from experiments.tensile_run import stream_label   # as experiment=tensile names them
         parts += stream_label(opts.stream_optimizer, opts.stream_prefetch, opts.stream_resident,
                               opts.stream_overhead, opts.stream_chunk_mb)
+    if opts.bn_from_stats:
+        parts.append("bn_from_stats")
     if opts.mps:
         parts.append("mps")
     if opts.trim_stack != "none":
@@ -565,7 +569,8 @@ def run_job(p: dict) -> dict:
                           client_kwargs={"register_timeout_s": 120.0},
                           allow_cross_iteration=not captured,
                           # a captured step's swaps cost their joins: the joint plan prices them
-                          swap_cost_ms=CAPTURED_SWAP_COST_MS if captured else 0.0, **p["rates"])
+                          swap_cost_ms=CAPTURED_SWAP_COST_MS if captured else 0.0,
+                          batch_norm_from_stats=p.get("bn_from_stats", False), **p["rates"])
         outside["scheduler"] = _outside_allocator_mb(cuda)
         # captured: the first replay() steps, the second captures (after the scheduler's
         # plan for the graph's op times), later ones replay or capture a newer plan
@@ -652,6 +657,8 @@ def run_job(p: dict) -> dict:
                                       - before.bytes_d2h - before.bytes_h2d),
                        swaps_planned=after.swaps_planned,
                        recomputes_planned=after.recomputes_planned,
+                       recomputes_by_op=after.recomputes_by_op,
+                       bn_rerun_share_median=after.bn_rerun_share_median,
                        est_overhead_ms=after.est_overhead_ms,
                        **after.plan_check())
         return out
@@ -859,7 +866,8 @@ def _payload(job: JobSpec, setting: Setting, phase: str, opts: Options, rates: d
             "optimizer": opts.optimizer,
             "stream_optimizer": opts.stream_optimizer, "stream_prefetch": opts.stream_prefetch,
             "stream_resident": opts.stream_resident, "stream_overhead": opts.stream_overhead,
-            "stream_chunk_mb": opts.stream_chunk_mb, "jobs": len(setting.jobs), "trim_stack": phase in PHASES[opts.trim_stack],
+            "stream_chunk_mb": opts.stream_chunk_mb, "jobs": len(setting.jobs),
+            "bn_from_stats": opts.bn_from_stats, "trim_stack": phase in PHASES[opts.trim_stack],
             "trim_blas": phase in PHASES[opts.trim_blas], "compact": phase in PHASES[opts.compact]}
 
 
@@ -1147,7 +1155,8 @@ def _job_row(setting: Setting, job: JobSpec, van: JobOutcome, ten: JobOutcome,
             extra.update({k: res.get(k) for k in (
                 "replans", "plan_versions", "plan_at_first_step", "plans_received", "connected",
                 "passive_swapins", "swap_ins", "recomputes", "bytes_swapped",
-                "swaps_planned", "recomputes_planned", "est_overhead_ms",
+                "swaps_planned", "recomputes_planned", "recomputes_by_op", "bn_rerun_share_median",
+                "est_overhead_ms",
                 "plan_iteration_ms", "timed_steps", "d2h_gbps_measured", "h2d_gbps_measured",
                 "stall_ms_per_timed_step")})
             if "stream_tuned" in res:   # --stream-resident auto: what tune_resident chose
@@ -1577,6 +1586,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --stream-optimizer: each update on at most MB MiB of parameters at "
                          "a time, larger ones in slices (bounds the optimizer's temporaries; "
                          "default: a group at once)")
+    ap.add_argument("--bn-from-stats", action="store_true",
+                    help="TENSILE's jobs recompute a training-mode batch norm from the batch "
+                         "statistics its forward returned, with the residual add and ReLU after "
+                         "it, in one kernel (tensile.Scheduler(batch_norm_from_stats=True): "
+                         "fewer kernels a recompute, equal to rounding, not bit for bit)")
     ap.add_argument("--trim-stack", choices=tuple(PHASES), default="none",
                     help="jobs give back their CUDA context's thread-stack reservation after "
                          "their first step (tensile.trim_stack): none, tensile (TENSILE's jobs) "
@@ -1678,7 +1692,7 @@ def _options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Opt
                    stream_optimizer=args.stream_optimizer,
                    stream_prefetch=args.stream_prefetch, stream_resident=args.stream_resident,
                    stream_overhead=args.stream_overhead, stream_chunk_mb=args.stream_chunk,
-                   mps=args.mps, trim_stack=args.trim_stack,
+                   bn_from_stats=args.bn_from_stats, mps=args.mps, trim_stack=args.trim_stack,
                    trim_blas=args.trim_blas, compact=args.compact)
     return opts, build_settings(args.scenario, args.models, args.copies, opts)
 

@@ -79,6 +79,7 @@ def test_rows_for_every_job_and_the_gpu(copies2):
         assert float(rows[name]["median_ms"]) > 0 and e["iter_ms_median_vanilla"] > 0
         assert e["measured_iters_vanilla"] == e["measured_iters_tensile"] == 3
         assert len(e["plan_versions"]) == e["replans"] + 1
+        assert e["bn_rerun_share_median"] is None    # without --bn-from-stats
         assert e["msr_alloc"] is None and e["peak_alloc_tensile_mb"] is None  # no GPU
         # the stages where the process's memory outside its allocator is read (None on CPU)
         assert e["outside_allocator_mb_vanilla"] == dict.fromkeys(["on_device", "first_step", "last_step"])
@@ -228,6 +229,26 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
         assert tuned["delay_ms"] <= 0.1 * tuned["step_ms"] + 1e-6
 
 
+def test_jobs_rebuild_recomputed_batch_norms_from_their_statistics(tmp_path, monkeypatch):
+    """--bn-from-stats: TENSILE's jobs hand batch_norm_from_stats=True to their Scheduler, which
+    then measures what rebuilding each batch norm from its statistics costs (the share the
+    planner prices those recomputes at, in the rows); both phases train to a finite loss. The
+    rows list what each job's plan recomputes, by op."""
+    args = ["--scenario", "copies", "--models", "mobilenet_v2", "--copies", "2",
+            "--budget-share", "0.8", "--bn-from-stats", "--results-dir", str(tmp_path), *SMOKE]
+    assert tm.main(args) == 0
+    rows = {r["backend"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"mobilenet_v2-1", "mobilenet_v2-2", "GPU"}
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["reason"])
+        assert r["mode"] == "copies:mobilenet_v2x2,img=32,budget_share=0.8,bn_from_stats"
+    for job in ("mobilenet_v2-1", "mobilenet_v2-2"):
+        e = rows[job]["extra"]
+        assert math.isfinite(e["loss_tensile"])
+        assert e["bn_rerun_share_median"] > 0     # measured: the Scheduler had the option on
+        assert sum(e["recomputes_by_op"].values()) == e["recomputes_planned"]
+
+
 def test_settings_follow_the_scenario_rules(monkeypatch):
     opts = tm.Options(warmup=5, iters=30, image_size=224, budget_bytes=2**30)
     copies = tm.build_settings("copies", ["vgg16", "resnet50"], [1, 3], opts)
@@ -271,6 +292,11 @@ def test_settings_follow_the_scenario_rules(monkeypatch):
     assert [tm._payload(lean[0].jobs[0], lean[0], ph, tm.Options(trim_blas=which), {}, None)
             ["trim_blas"] for which in ("none", "tensile", "all") for ph in ("vanilla", "tensile")
             ] == [False, False, False, True, True, True]
+    rebuilt = tm.build_settings("copies", ["vgg16"], [2], tm.Options(image_size=224, bn_from_stats=True))
+    assert [s.label for s in rebuilt] == ["copies:vgg16x2,bn_from_stats"]
+    assert [tm._payload(rebuilt[0].jobs[0], rebuilt[0], ph, tm.Options(bn_from_stats=on), {}, None)
+            ["bn_from_stats"] for on in (False, True) for ph in ("vanilla", "tensile")
+            ] == [False, False, True, True]
     assert all(s.arrive_every is None and j.steps == 35 for s in copies for j in s.jobs)
     (dyn,) = tm.build_settings("dynamic", ["vgg16", "resnet50", "vgg16"], [1], opts)
     assert [(j.job_id, j.steps, j.until_stop) for j in dyn.jobs] == [
