@@ -515,6 +515,25 @@ def test_cuda_on_a_host_without_one_is_a_clear_error(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
                     reason="captured jobs replay CUDA graphs and the GPU's memory is read "
                            "through NVML: needs a CUDA GPU and nvidia-ml-py")
+def test_captured_jobs_rebuild_batch_norms_from_statistics_under_a_budget(tmp_path):
+    """--bn-from-stats with a budget: the captured jobs' plans rebuild batch norms from their
+    statistics (CUDA: the Triton kernel) and train on to a finite loss within 1.5x vanilla."""
+    args = ["--scenario", "copies", "--models", "resnet50", "--copies", "2", "--batch", "8",
+            "--warmup", "4", "--iters", "10", "--timeout", "300", "--budget-share", "0.8",
+            "--captured", "--bn-from-stats"]
+    _, rows = _run_on_gpu(tmp_path, args, "copies:resnet50x2,budget_share=0.8,captured,bn_from_stats")
+    for job in ("resnet50-1", "resnet50-2"):
+        e = rows[job]["extra"]
+        assert 0 < e["bn_rerun_share_median"] < 1
+        assert any("batch_norm" in op for op in e["recomputes_by_op"]), e["recomputes_by_op"]
+        assert math.isfinite(e["loss_tensile"])
+        assert e["iter_ms_median_tensile"] < 1.5 * e["iter_ms_median_vanilla"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("pynvml") is None,
+                    reason="captured jobs replay CUDA graphs and the GPU's memory is read "
+                           "through NVML: needs a CUDA GPU and nvidia-ml-py")
 def test_captured_jobs_replay_the_plan_the_scheduler_made_for_their_graphs(tmp_path):
     """--captured: every job captures its step after its first one; a TENSILE job sends
     the graph's op times to the scheduler (retimed) and captures the plan that comes back.
