@@ -60,7 +60,10 @@ the setting's label. Metrics (the row's ``extra`` JSON unless a column):
   median, empty if the last one is not; ``passive_swapins``, ``swap_ins``, ``bytes_swapped``
   (D2H + H2D), ``recomputes`` over the measured steps (``Scheduler.report()``; counted on
   the host, so 0 in a captured job's replays); ``swaps_planned``, ``recomputes_planned``,
-  ``est_overhead_ms``: the job's last plan (what a captured job's graph runs); what the
+  ``recomputes_by_op`` (its recomputes by the producing op's name), ``est_overhead_ms``: the
+  job's last plan (what a captured job's graph runs); ``bn_rerun_share_median``: with
+  ``--bn-from-stats``, the median share of a batch norm's time its rebuild from statistics
+  took, what the plan priced those recomputes at (empty without); what the
   last plan assumed beside what the timed steps measured (``SchedulerReport.plan_check()``:
   ``plan_iteration_ms``, ``d2h_gbps_measured``, ``h2d_gbps_measured``,
   ``stall_ms_per_timed_step``); ``outside_allocator_mb_{vanilla,tensile}``: the device's used
