@@ -73,9 +73,10 @@ TENSILE_MULTI_VGG = ["--scenario", "copies", "--models", "vgg16", "--copies", "2
 # 0.83 of the jobs' joint peak, the process trims, expandable segments. On one H100 host it met
 # the authors' figures in every run it was given: x2 3 of 3 (MSR 0.430-0.432 at EOR 0.051-0.066)
 # and x3 4 of 4 (0.425-0.428 at 0.048-0.062; fifty-eighth session). On two others it met neither
-# in three runs, its steps 1.5-3 ms slower (x2 EOR 0.089-0.122, x3 0.417-0.419 at 0.108-0.133;
-# fifty-ninth and sixtieth; results/h100-80gb-hbm3/README.md): the recomputations cost more beside
-# the other jobs than the joint plan prices them. Not yet run on the H200.
+# in seven runs (x2 four, x3 three), its steps 1.5-3 ms slower (x2 EOR 0.089-0.122, x3
+# 0.417-0.419 at 0.108-0.133; fifty-ninth and sixtieth; results/h100-80gb-hbm3/README.md): the
+# recomputations cost more beside the other jobs than the joint plan prices them. Not yet run on
+# the H200.
 TENSILE_MULTI_V4 = ["--scenario", "copies", "--models", "inception_v4", "--copies", "2,3", "--batch", "2",
                     "--captured", "--stream-optimizer", "16", "--stream-prefetch", "1",
                     "--stream-resident", "9", "--budget-share", "0.83",

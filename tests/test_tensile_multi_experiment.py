@@ -229,7 +229,7 @@ def test_streamed_optimizer_jobs_train_under_the_scheduler(tmp_path):
         assert tuned["delay_ms"] <= 0.1 * tuned["step_ms"] + 1e-6
 
 
-def test_jobs_rebuild_recomputed_batch_norms_from_their_statistics(tmp_path, monkeypatch):
+def test_jobs_rebuild_recomputed_batch_norms_from_their_statistics(tmp_path):
     """--bn-from-stats: TENSILE's jobs hand batch_norm_from_stats=True to their Scheduler, which
     then measures what rebuilding each batch norm from its statistics costs (the share the
     planner prices those recomputes at, in the rows); both phases train to a finite loss. The
