@@ -511,12 +511,13 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     assert "--budget-share 0.8" in multi[-3] and "--stream-resident 16" in multi[-3]
     assert "--captured" in multi[-3] and "--trim-blas tensile" in multi[-3]
     # ... VGG-16's, with chunked updates, and Inception-v4's, 7 of its 16 groups' state streamed
-    # through one buffer, both under expandable segments set for those steps alone
+    # through one buffer and batch norms rebuilt from their statistics, both under expandable
+    # segments set for those steps alone
     vgg, v4 = multi[-2:]
     assert all(c.startswith("env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ") for c in (vgg, v4))
     assert "--models vgg16 --copies 2,3" in vgg and "--stream-chunk 64" in vgg
     assert "--models inception_v4 --copies 2,3" in v4
-    assert "--stream-prefetch 1 --stream-resident 9 --budget-share 0.83" in v4
+    assert "--stream-prefetch 1 --stream-resident 9 --budget-share 0.83 --bn-from-stats" in v4
     assert not any("expandable" in c for c in multi[:-2])
     (headroom,) = [c for c in commands if "-m experiments.headroom" in c]
     assert "--batch 1,32" in headroom and "--results" in headroom
