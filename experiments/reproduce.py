@@ -76,7 +76,8 @@ TENSILE_MULTI_VGG = ["--scenario", "copies", "--models", "vgg16", "--copies", "2
 # cost more beside the other jobs than the joint plan prices them (fifty-ninth, sixtieth). With
 # them (sixty-first session, one more H100 machine) x2 met in 2 of 2 (0.439 at EOR 0.074 and
 # 0.037) and x3 in 2 of 2 (0.435 and 0.432 at 0.039 and 0.047), where the same command without
-# them, in the same calls, gave 0.430-0.431 at 0.064-0.075 and 0.425-0.428 at 0.058-0.072
+# them, in the same calls, gave 0.430-0.431 at 0.064-0.075 and 0.425-0.428 at 0.058-0.072;
+# on two more H100 machines (sixty-second) x2 met in 3 of 3 and x3 in 2 of 2 with them
 # (results/h100-80gb-hbm3/README.md). Not yet run on the H200.
 TENSILE_MULTI_V4 = ["--scenario", "copies", "--models", "inception_v4", "--copies", "2,3", "--batch", "2",
                     "--captured", "--stream-optimizer", "16", "--stream-prefetch", "1",
