@@ -503,6 +503,10 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     (v4,) = [c for c in commands if "+sweep=tensile_authors model=inception_v4" in c]
     assert v4.endswith("experiment.stream_optimizer=16 experiment.stream_resident=1")
     assert commands.index(v4) > commands.index(next(c for c in commands if c.endswith("+sweep=tensile_authors")))
+    # ... and DenseNet-121 with recomputation only, its Adam state on the device
+    (dn,) = [c for c in commands if "+sweep=tensile_authors model=densenet121" in c]
+    assert dn.endswith("experiment.stream_optimizer=0 experiment.allow_swaps=false")
+    assert commands.index(dn) > commands.index(v4)
     only = [" ".join(cmd) for _, cmd in reproduce.plan(cuda=True, sweeps=["tensile_single"])[0]]
     assert not any("tensile_authors" in c for c in only)
     multi = [c for c in commands if "-m experiments.tensile_multi --scenario" in c]
