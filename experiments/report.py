@@ -37,6 +37,7 @@ __all__ = [
     "write_report", "main", "tensile_metrics", "tensile_verdicts", "tensile_multi_table",
     "tensile_multi_runs", "tensile_multi_latest", "tensile_multi_targets", "row_method",
     "tensile_authors_split_table",
+    "tensile_price_gap_table",
     "nimble_memory_table",
 ]
 
@@ -936,6 +937,38 @@ def tensile_authors_split_table(rows: pd.DataFrame, paper: pd.DataFrame) -> pd.D
     cols = ["model", "batch", "variant", "graph ms", "TENSILE ms", "allowed ms",
             "unplanned − graph ms", "TENSILE − unplanned ms", "priced ms", "floor ms", "in reach",
             "commit"]
+    return pd.DataFrame(lines, columns=cols)
+
+
+def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """How far each captured TENSILE plan ran over the planner's price, with and without
+    swaps: per model, batch and kind of plan (``swaps`` or ``rebuilds only``), over every
+    ``tensile_graph`` run that recorded the step captured without a plan (``unplanned``,
+    ``captured_vanilla_ms``), its plan's price and how many swaps it made, the gap
+    ``TENSILE − unplanned − priced`` (mean step, ms): median and range, beside the median
+    bytes the plan copied each way a step. The planner prices a swap's copies as hidden
+    behind compute (plus ``swap_cost_ms`` each); a gap that grows with the bytes copied is
+    copy time the step paid. ``rows``: :func:`load_rows` with ``every_row``."""
+    runs = []
+    for r, extra in _tensile_rows(rows):
+        unplanned, priced = extra.get("captured_vanilla_ms"), extra.get("plan_overhead_ms")
+        swaps = extra.get("swaps_planned")
+        if not str(r["backend"]).startswith("tensile_graph") or None in (unplanned, priced, swaps):
+            continue
+        runs.append({"model": r["model"], "batch": int(r["batch_size"]),
+                     "plan": "swaps" if swaps else "rebuilds only",
+                     "gap": r["mean_ms"] - unplanned - priced,
+                     "each way": (extra.get("bytes_moved_per_step") or 0) / 2 / 2**20})
+    cols = ["model", "batch", "plan", "runs", "median gap ms", "gap range ms",
+            "median MiB each way"]
+    if not runs:
+        return pd.DataFrame(columns=cols)
+    lines = []
+    for (model, batch, kind), g in pd.DataFrame(runs).groupby(["model", "batch", "plan"]):
+        lines.append({"model": model, "batch": batch, "plan": kind, "runs": len(g),
+                      "median gap ms": round(g["gap"].median(), 3),
+                      "gap range ms": f"{g['gap'].min():.2f} to {g['gap'].max():.2f}",
+                      "median MiB each way": round(g["each way"].median(), 1)})
     return pd.DataFrame(lines, columns=cols)
 
 
@@ -1845,6 +1878,15 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                        "computed it); in reach = the "
                        "streaming plus the floor within the allowance, in the planner's cost "
                        "model, not a measurement.", "", md_table(split), ""]
+        gap = tensile_price_gap_table(every_row)
+        if len(gap):
+            md += ["### Captured plans against their price, with and without swaps", "",
+                   "Every `tensile_graph` run that recorded its plan's price and the step the "
+                   "scheduler captured without a plan (`unplanned`): gap = TENSILE − unplanned − "
+                   "priced (mean step, ms), per kind of plan; MiB each way = what the plan's swaps "
+                   "copy out (and back in) a step. The planner prices swapped copies as hidden "
+                   "behind compute (plus `swap_cost_ms` each), so a gap that grows with the bytes "
+                   "copied is copy time the step paid.", "", md_table(gap), ""]
         census = tensile_census_table(every_row)
         if len(census):
             md += ["### Where a captured step's extra time goes", "",

@@ -342,6 +342,30 @@ def test_a_run_at_the_authors_saving_splits_its_time_into_streaming_and_plan(tmp
     assert not fused["in reach"]
 
 
+def test_captured_plans_against_their_price_split_by_swaps(tmp_path):
+    """gap = TENSILE − unplanned − priced per model, batch and kind of plan; rows without the
+    unplanned step, the price or the swap count, and eager TENSILE rows are not in it."""
+    store = ResultStore(tmp_path / "h200" / "tensile.csv")
+    label = "tensile_graph(match_msr=0.76)"
+    dn = {"model": "densenet121"}
+    mib = 2 ** 20
+    for mean, swaps, moved in [(21.0, 5, 400 * mib), (21.4, 5, 440 * mib), (20.6, 0, 0)]:
+        _tensile_row(store, label, mean, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
+                     plan_overhead_ms=1.5, swaps_planned=swaps, bytes_moved_per_step=moved, **dn)
+    _tensile_row(store, label, 30.0, 500.0, 0.76, -0.6, plan_overhead_ms=1.5, swaps_planned=5, **dn)
+    _tensile_row(store, "tensile", 30.0, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
+                 plan_overhead_ms=1.5, swaps_planned=0, **dn)
+    t = report.tensile_price_gap_table(report.load_rows(tmp_path / "h200", every_row=True))
+    t = t.set_index("plan")
+    assert sorted(t.index) == ["rebuilds only", "swaps"]
+    assert t.loc["swaps", "runs"] == 2 and t.loc["rebuilds only", "runs"] == 1
+    assert t.loc["swaps", "median gap ms"] == pytest.approx(0.5)      # 0.3 and 0.7
+    assert t.loc["swaps", "gap range ms"] == "0.30 to 0.70"
+    assert t.loc["swaps", "median MiB each way"] == 210.0
+    assert t.loc["rebuilds only", "median gap ms"] == pytest.approx(-0.1)
+    assert report.tensile_price_gap_table(report.load_rows(tmp_path / "none", every_row=True)).empty
+
+
 def test_a_plan_memory_panel_takes_the_floor_of_its_own_moves(tmp_path):
     """rebuilds and swaps where the row allowed swaps, rebuilds only where it did not;
     rows without a snapshot file beside them are left out."""
