@@ -1886,7 +1886,9 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "priced (mean step, ms), per kind of plan; MiB each way = what the plan's swaps "
                    "copy out (and back in) a step. The planner prices swapped copies as hidden "
                    "behind compute (plus `swap_cost_ms` each), so a gap that grows with the bytes "
-                   "copied is copy time the step paid.", "", md_table(gap), ""]
+                   "copied is copy time the step paid. `unplanned` is the quietest of ten rounds "
+                   "(about 0.1-0.2 ms under a mean), so both kinds of plan read that much high.",
+                   "", md_table(gap), ""]
         census = tensile_census_table(every_row)
         if len(census):
             md += ["### Where a captured step's extra time goes", "",
