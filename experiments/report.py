@@ -955,10 +955,11 @@ def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
         swaps = extra.get("swaps_planned")
         if not str(r["backend"]).startswith("tensile_graph") or None in (unplanned, priced, swaps):
             continue
+        moved = extra.get("bytes_moved_per_step")   # unrecorded: not counted as nothing moved
         runs.append({"model": r["model"], "batch": int(r["batch_size"]),
                      "plan": "swaps" if swaps else "rebuilds only",
                      "gap": r["mean_ms"] - unplanned - priced,
-                     "each way": (extra.get("bytes_moved_per_step") or 0) / 2 / 2**20})
+                     "each way": float("nan") if moved is None else moved / 2 / 2**20})
     cols = ["model", "batch", "plan", "runs", "median gap ms", "gap range ms",
             "median MiB each way"]
     if not runs:

@@ -352,14 +352,17 @@ def test_captured_plans_against_their_price_split_by_swaps(tmp_path):
     for mean, swaps, moved in [(21.0, 5, 400 * mib), (21.4, 5, 440 * mib), (20.6, 0, 0)]:
         _tensile_row(store, label, mean, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
                      plan_overhead_ms=1.5, swaps_planned=swaps, bytes_moved_per_step=moved, **dn)
+    # a swap plan that did not record its bytes: its gap counts, its bytes are not taken as 0
+    _tensile_row(store, label, 21.2, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
+                 plan_overhead_ms=1.5, swaps_planned=5, **dn)
     _tensile_row(store, label, 30.0, 500.0, 0.76, -0.6, plan_overhead_ms=1.5, swaps_planned=5, **dn)
     _tensile_row(store, "tensile", 30.0, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
                  plan_overhead_ms=1.5, swaps_planned=0, **dn)
     t = report.tensile_price_gap_table(report.load_rows(tmp_path / "h200", every_row=True))
     t = t.set_index("plan")
     assert sorted(t.index) == ["rebuilds only", "swaps"]
-    assert t.loc["swaps", "runs"] == 2 and t.loc["rebuilds only", "runs"] == 1
-    assert t.loc["swaps", "median gap ms"] == pytest.approx(0.5)      # 0.3 and 0.7
+    assert t.loc["swaps", "runs"] == 3 and t.loc["rebuilds only", "runs"] == 1
+    assert t.loc["swaps", "median gap ms"] == pytest.approx(0.5)      # 0.3, 0.5 and 0.7
     assert t.loc["swaps", "gap range ms"] == "0.30 to 0.70"
     assert t.loc["swaps", "median MiB each way"] == 210.0
     assert t.loc["rebuilds only", "median gap ms"] == pytest.approx(-0.1)
