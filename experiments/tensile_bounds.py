@@ -112,19 +112,20 @@ def bound_model(name: str, batch_size: int, gpu_dir: Path) -> dict:
             snap = PlanningSnapshot.load(snapshot)
             tl, d2h, h2d, min_bytes, greedy = (snap.timeline, snap.d2h_bw / 1e9, snap.h2d_bw / 1e9,
                                                snap.min_bytes, snap.plan)
-            latency, swap_cost = snap.copy_latency_ms, (snap.options or {}).get("swap_cost_ms", 0.0)
+            latency = snap.copy_latency_ms
+            swap_price = {k: (snap.options or {}).get(k, 0.0) for k in ("swap_cost_ms", "swap_copy_share")}
             row.update(op_times="gpu", snapshot=snapshot.name)
         else:
             measured = {"step_ms": job["step_ms"], "d2h_gbps": job["d2h_gbps"], "h2d_gbps": job["h2d_gbps"]}
             tl, _, d2h, h2d = recorded_timeline(name, batch_size, measured, bn_share=job["bn_share"])
-            min_bytes, latency, swap_cost = 1 << 16, COPY_LATENCY_MS, 0.0
+            min_bytes, latency, swap_price = 1 << 16, COPY_LATENCY_MS, {}
             greedy = plan(tl, budget_bytes=job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
                           allow_cross_iteration=False, allow_swaps=job["allow_swaps"], min_bytes=min_bytes,
-                          copy_latency_ms=latency, swap_cost_ms=swap_cost)
+                          copy_latency_ms=latency)
             row.update(op_times="cpu", snapshot="")
         alone = extra_time_bound(tl, job["budget"], min_bytes=min_bytes)
         swapped = extra_time_bound(tl, job["budget"], d2h_bw=d2h * 1e9, h2d_bw=h2d * 1e9,
-                                   min_bytes=min_bytes, copy_latency_ms=latency, swap_cost_ms=swap_cost)
+                                   min_bytes=min_bytes, copy_latency_ms=latency, **swap_price)
     except Exception as exc:  # noqa: BLE001 - a model that fails is a row, never a crash
         return {**row, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:500]}
 

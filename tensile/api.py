@@ -49,7 +49,7 @@ from .estimate import (OpTimeModel, estimate_op_times, measure_copy_bandwidth, m
 from .graph import GraphStep
 from .optimes import batch_norm_rerun_shares, step_op_profile
 from .plan import Plan
-from .planner import COPY_LATENCY_MS, check_swap_cost, check_swap_search
+from .planner import COPY_LATENCY_MS, check_swap_copy_share, check_swap_cost, check_swap_search
 from .planner import plan as make_plan
 from .record import Recording, record_step
 from .runtime import PlanRunner, RuntimeStats, StepResult, bytes_per_s
@@ -134,6 +134,9 @@ class SchedulerReport:
     # the largest workspace an op holds while it runs, counted in the plan's peaks
     # (Scheduler.scratch, measured by capture(); 0 before)
     scratch_max_bytes: int = 0
+    # what the plan's estimated extra time (est_overhead_ms) prices its swaps at beside their
+    # hidden copies (tensile.planner.swap_price_ms); the rest is its rebuilds
+    swaps_priced_ms: float = 0.0
 
     def plan_figures(self) -> dict:
         """The current plan as the result rows give it (MiB, ms): planned swaps and
@@ -149,6 +152,7 @@ class SchedulerReport:
                 "bn_rerun_share_median": self.bn_rerun_share_median,
                 "recomputes_by_op": dict(self.recomputes_by_op),
                 "scratch_max_mb": self.scratch_max_bytes / mib,
+                "plan_swaps_priced_ms": self.swaps_priced_ms,
                 **{f"recomputes_{k}": v for k, v in self.chained_recomputes.items()}}
 
     def plan_check(self) -> dict:
@@ -295,6 +299,11 @@ class Scheduler:
     the plan (:func:`tensile.planner.plan`; with ``scheduler_socket`` it goes to the
     scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
+    ``swap_copy_share``: the share of its copies' time each swap adds beside that (their
+    HBM traffic slows the kernels beside them), priced likewise
+    (:func:`tensile.planner.swap_price_ms`); a captured step's is
+    :data:`tensile.planner.CAPTURED_SWAP_COPY_SHARE` (``tensile_graph``'s); 0 (default):
+    nothing.
     ``swap_search`` (local planning): ``"always"`` also plans again seeded with the swaps of
     the bound's relaxation, and searches over which tensors to swap, where the budget is
     met, for a cheaper plan (seconds to a few minutes of planning more); ``"unmet"``
@@ -344,7 +353,7 @@ class Scheduler:
                  simulate: bool | None = None,
                  allow_recompute: bool = True, allow_cross_iteration: bool = True,
                  allow_swaps: bool = True, rebuild_ahead: float = 0.0, swap_cost_ms: float = 0.0,
-                 swap_search: str = "unmet",
+                 swap_copy_share: float = 0.0, swap_search: str = "unmet",
                  peak_flops: float | None = None, peak_bytes_per_s: float | None = None,
                  d2h_bw: float | None = None, h2d_bw: float | None = None,
                  min_swap_bytes: int | None = None, copy_latency_ms: float = COPY_LATENCY_MS,
@@ -366,15 +375,17 @@ class Scheduler:
                              "planning; leave planner=None (or drop scheduler_socket)")
         if planner is not None or scheduler_socket is not None:
             # options of local planning with TENSILE's own planner: (value, default); a
-            # scheduler process takes swap_cost_ms as the job's option
+            # scheduler process takes the swaps' price as the job's options
             local = {"max_overhead": (max_overhead, 0.0), "allow_swaps": (allow_swaps, True),
                      "rebuild_ahead": (rebuild_ahead, 0.0), "swap_search": (swap_search, "unmet")}
             if planner is not None:
                 local["swap_cost_ms"] = (swap_cost_ms, 0.0)
+                local["swap_copy_share"] = (swap_copy_share, 0.0)
             for name, (value, default) in local.items():
                 if value != default:
                     raise _not_for_this_planner(name, value)
         check_swap_cost(swap_cost_ms)
+        check_swap_copy_share(swap_copy_share)
         check_swap_search(swap_search)
         if scheduler_socket is None and (job_id is not None or weight != 1.0 or client_kwargs):
             raise ValueError("job_id, weight and client_kwargs are for a scheduler process; "
@@ -394,7 +405,7 @@ class Scheduler:
         self.planner = planner or functools.partial(
             make_plan, allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
             max_overhead=max_overhead, allow_swaps=allow_swaps, rebuild_ahead=rebuild_ahead,
-            swap_cost_ms=swap_cost_ms, swap_search=swap_search)
+            swap_cost_ms=swap_cost_ms, swap_copy_share=swap_copy_share, swap_search=swap_search)
 
         self._example = _signature(example_batch)
         if record_batches is None:
@@ -451,6 +462,8 @@ class Scheduler:
                        "min_swap_bytes": self.min_bytes}
             if swap_cost_ms:
                 options["swap_cost_ms"] = float(swap_cost_ms)
+            if swap_copy_share:
+                options["swap_copy_share"] = float(swap_copy_share)
             self.client = TensileClient(scheduler_socket, job_id, weight,
                                         **(client_kwargs or {}), options=options)
             self._server_plan: Plan | None = None
@@ -480,10 +493,12 @@ class Scheduler:
             return {}
         tl = self.timeline
         alone = extra_time_bound(tl, self.budget_bytes, min_bytes=self.min_bytes)
+        options = self._planner_options() or {}
         swapped = extra_time_bound(tl, self.budget_bytes, d2h_bw=self.plan.d2h_bytes_per_s,
                                    h2d_bw=self.plan.h2d_bytes_per_s, min_bytes=self.min_bytes,
                                    copy_latency_ms=self.copy_latency_ms,
-                                   swap_cost_ms=(self._planner_options() or {}).get("swap_cost_ms", 0.0))
+                                   swap_cost_ms=options.get("swap_cost_ms", 0.0),
+                                   swap_copy_share=options.get("swap_copy_share", 0.0))
         return {"bound_ms": alone.extra_ms, "bound_swaps_ms": swapped.extra_ms}
 
     def snapshot(self, **meta) -> PlanningSnapshot:
@@ -763,6 +778,8 @@ class Scheduler:
             recomputes_by_op=dict(collections.Counter(
                 base_name(self.recording.graph.nodes[r.producer_op].name) for r in self.plan.recomputes)),
             scratch_max_bytes=max(self.scratch.values(), default=0),
+            swaps_priced_ms=max(0.0, self.plan.est_overhead_ms
+                                - sum(r.cost_ms for r in self.plan.recomputes)),
             **self._server_fields())
 
     # ------------------------------------------------------------------ internals

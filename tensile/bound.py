@@ -28,7 +28,8 @@ needed later (``j_s < j_u``), it is back by then unless it is rebuilt once more 
 rebuild alone. So ``u`` frees ``[j_s, j_u)`` only through ``w_up <= x_u + y_up`` with
 ``w_up <= 1 - x_s + t_u``, ``t_u`` costing a second rebuild (for the earliest such ``s``).
 The objective is the rebuilds' rerun time and each swap's price, ``sum cost_s (x_s + t_s)
-+ swap_cost * z_s``. Every plan of the planner's moves
++ price_s * z_s``, each swap priced as the planner prices it
+(:func:`tensile.planner.swap_price_ms`). Every plan of the planner's moves
 is a solution, and a costlier one: its rebuilds also keep their other inputs resident (the
 program takes an input the step no longer holds, such as a residual branch's batch-norm
 output, as free), and its copies keep fixed windows (a property test checks the planner's
@@ -45,7 +46,8 @@ import numpy as np
 from scipy.optimize import linprog
 from scipy.sparse import coo_matrix
 
-from .planner import _rerun_ms, _rerun_ops, check_copy_latency, check_swap_cost, transfer_intervals
+from .planner import (_rerun_ms, _rerun_ops, check_copy_latency, check_swap_copy_share,
+                      check_swap_cost, swap_price_ms, transfer_intervals)
 from .timeline import AccessTimeline
 
 __all__ = ["PlanBound", "extra_time_bound"]
@@ -77,14 +79,15 @@ class PlanBound:
 
 def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | None = None,
                      h2d_bw: float | None = None, min_bytes: int = 1, copy_latency_ms: float = 0.0,
-                     swap_cost_ms: float = 0.0) -> PlanBound:
+                     swap_cost_ms: float = 0.0, swap_copy_share: float = 0.0) -> PlanBound:
     """The least extra time (ms, the timeline's op times) that any within-iteration plan of
     rebuilds and swaps needs to keep ``tl`` at or under ``budget_bytes`` (module notes).
     Swaps count only with both bandwidths (bytes/s) given; each copy takes
     ``copy_latency_ms`` on its channel besides its bytes, and each swap costs
-    ``swap_cost_ms``, as :func:`tensile.planner.plan` prices them (the same arguments);
-    activations smaller than ``min_bytes`` never move, as there. With the planner's own
-    arguments, no plan it makes is priced (``est_overhead_ms``) below ``extra_ms``."""
+    ``swap_cost_ms`` and ``swap_copy_share`` of its copies' time, as
+    :func:`tensile.planner.plan` prices them (the same arguments); activations smaller
+    than ``min_bytes`` never move, as there. With the planner's own arguments, no plan it
+    makes is priced (``est_overhead_ms``) below ``extra_ms``."""
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, np.integer)) \
             or budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -94,6 +97,7 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
             raise ValueError(f"{name} must be a positive number of bytes/s or None, got {bw!r}")
     check_copy_latency(copy_latency_ms)
     check_swap_cost(swap_cost_ms)
+    check_swap_copy_share(swap_copy_share)
     curve = tl.vanilla_curve()
     peak = int(curve.max()) if len(curve) else 0
     excess = curve - budget_bytes
@@ -105,7 +109,8 @@ def extra_time_bound(tl: AccessTimeline, budget_bytes: int, *, d2h_bw: float | N
         return result
     if not moves:
         return PlanBound(**{**result.__dict__, "extra_ms": None})
-    solved = _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw, copy_latency_ms, swap_cost_ms)
+    solved = _solve(tl, excess, moves, swaps, d2h_bw, h2d_bw, copy_latency_ms,
+                    (swap_cost_ms, swap_copy_share))
     if solved is None:
         return PlanBound(**{**result.__dict__, "extra_ms": None})
     extra_ms, values = solved
@@ -159,9 +164,10 @@ def _moves(tl: AccessTimeline, min_bytes: int) -> list[_Move]:
 
 def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bool,
            d2h_bw: float | None, h2d_bw: float | None, latency_ms: float,
-           swap_cost_ms: float) -> tuple[float, dict[tuple, float]] | None:
+           swap_price: tuple[float, float]) -> tuple[float, dict[tuple, float]] | None:
     """The linear program of the module notes: its optimum and each variable's value (by
-    its key: ``("x", move)``, ...); None when it has no solution."""
+    its key: ``("x", move)``, ...); None when it has no solution. ``swap_price``: the
+    planner's ``(swap_cost_ms, swap_copy_share)``."""
     n = tl.num_ops
     # Between two gap ends (and splits) the moves spanning an op do not change: one memory
     # row per such segment, at its op of largest excess (``p``).
@@ -191,7 +197,7 @@ def _solve(tl: AccessTimeline, excess: np.ndarray, moves: list[_Move], swaps: bo
             if m.split is not None:
                 col(("t", k), m.cost)       # rebuilt once more, for its dependent alone
         if swaps:
-            col(("z", k), swap_cost_ms)     # swapped at all
+            col(("z", k), swap_price_ms(m.nbytes, d2h_bw, h2d_bw, *swap_price))   # swapped at all
             if ("x", k) in cols:            # x + z <= 1: a tensor moves one way
                 add_row([(cols[("x", k)], 1.0), (cols[("z", k)], 1.0)], 1.0)
     # the channels' time the step's own copies (a streamed optimizer's) leave to swaps

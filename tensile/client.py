@@ -64,7 +64,8 @@ class TensileClient:
     bounds each call during training; ``register_timeout_s`` the first registration,
     which waits for the cold-start plan. ``retry_s`` = (first, longest) pause between
     reconnection attempts. ``options`` are passed to the planner for this job:
-    ``allow_recompute``, ``allow_cross_iteration``, ``min_swap_bytes``, ``swap_cost_ms``.
+    ``allow_recompute``, ``allow_cross_iteration``, ``min_swap_bytes``, ``swap_cost_ms``,
+    ``swap_copy_share``.
     """
 
     def __init__(self, socket_path: str | os.PathLike | None = None, job_id: str | None = None,

@@ -40,8 +40,9 @@ every job of the class before a recomputation (budget only) is; a job of higher 
 is touched only when no job of lower weight can lower the current peak at all. So a
 higher weight keeps more of a job resident and away from recomputation and passive
 swap-ins. Without a budget it stops when no hidden swap lowers the peak. A job may price
-its swaps (``JobSpec.swap_cost_ms``, a captured step's joins): under a budget the greedy
-then runs once more without those jobs' swaps and the cheaper joint plan is kept.
+its swaps (``JobSpec.swap_cost_ms``, a captured step's joins, and ``swap_copy_share``):
+under a budget the greedy then runs once more without those jobs' swaps and the cheaper
+joint plan is kept.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
 from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_overhead,
-                      check_plan_args, check_swap_cost, with_first_uses)
+                      check_plan_args, check_swap_copy_share, check_swap_cost, swap_price_ms,
+                      with_first_uses)
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -73,9 +75,11 @@ class JobSpec:
     the measured start of every op relative to the iteration start, ``iter_start_s``
     the start time of one iteration on a clock shared by all jobs (seconds).
     ``swap_cost_ms``: what each swap adds to the job's step beside its hidden copies (a
-    captured step's joins: :data:`tensile.planner.CAPTURED_SWAP_COST_MS`); it counts in the
-    job's estimated extra time, and under a budget :func:`plan_jobs` keeps the cheaper of
-    the joint plans with and without such swaps.
+    captured step's joins: :data:`tensile.planner.CAPTURED_SWAP_COST_MS`), and
+    ``swap_copy_share`` the share of its copies' time it adds (a captured step's:
+    :data:`tensile.planner.CAPTURED_SWAP_COPY_SHARE`; :func:`tensile.planner.swap_price_ms`);
+    they count in the job's estimated extra time, and under a budget :func:`plan_jobs`
+    keeps the cheaper of the joint plans with and without such swaps.
     """
 
     job_id: str
@@ -88,6 +92,7 @@ class JobSpec:
     allow_cross_iteration: bool = True
     min_bytes: int = 1
     swap_cost_ms: float = 0.0
+    swap_copy_share: float = 0.0
 
 
 @dataclass
@@ -353,6 +358,7 @@ def plan_jobs(
         if not isinstance(j.min_bytes, (int, np.integer)) or j.min_bytes < 1:
             raise ValueError(f"job {j.job_id}: min_bytes must be an int >= 1, got {j.min_bytes!r}")
         check_swap_cost(j.swap_cost_ms)
+        check_swap_copy_share(j.swap_copy_share)
     t0 = time.perf_counter()
     lay = layout_jobs(jobs)
     spec = {j.job_id: j for j in jobs}
@@ -363,7 +369,7 @@ def plan_jobs(
 
     args = (jobs, lay, budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, max_overhead)
     states, mem = _joint_greedy(*args, no_swaps=frozenset())
-    priced = frozenset(j.job_id for j in jobs if j.swap_cost_ms > 0)
+    priced = frozenset(j.job_id for j in jobs if j.swap_cost_ms > 0 or j.swap_copy_share > 0)
     if budget_bytes is not None and priced and any(states[j].swaps for j in priced):
         # Under a budget a priced swap may cost more than the recomputes that would free
         # its bytes instead: plan again without those jobs' swaps, keep the cheaper plan.
@@ -434,7 +440,9 @@ def _joint_rank(states: dict[str, PlanState], mem: np.ndarray, jobs: Sequence[Jo
 
 def _extra_ms(st: PlanState, job: JobSpec) -> float:
     """A job's estimated extra time: its recomputes and the price of its swaps."""
-    return float(sum(r.cost_ms for r in st.recomputes)) + job.swap_cost_ms * len(st.swaps)
+    return float(sum(r.cost_ms for r in st.recomputes)) + sum(
+        swap_price_ms(s.nbytes, *st.bandwidths, job.swap_cost_ms, job.swap_copy_share)
+        for s in st.swaps)
 
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,

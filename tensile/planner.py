@@ -52,7 +52,8 @@ from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 if TYPE_CHECKING:   # the bound builds on this module's rebuilds
     from .bound import PlanBound
 
-__all__ = ["plan", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS"]
+__all__ = ["plan", "swap_price_ms", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS",
+           "CAPTURED_SWAP_COPY_SHARE"]
 
 EPS = 1e-9
 # What every planned copy costs beyond bytes / bandwidth (ms): the default of the planner,
@@ -64,6 +65,22 @@ COPY_LATENCY_MS = 0.01
 # ms over its priced rebuilds where the same job's swap-free plan ran at its price (twenty-
 # ninth session, results/h200/README.md): about 0.02 ms a swap. tensile_graph plans with it.
 CAPTURED_SWAP_COST_MS = 0.02
+# What share of a swap's copy time (out and in, bytes / bandwidth) a captured step pays
+# although the copies are hidden: they take HBM bandwidth the kernels beside them need. On
+# the H200, captured swap plans ran over their price by more the more bytes they copied:
+# over the same model's rebuild-only plans, a median 4.3 % of their copies' time (interquartile
+# 1.6-8.0 %) over the 130 runs at b >= 8 with swaps (sixty-fourth session, results/h200/
+# README.md); DenseNet-121 at b=16, 10 % of 10.7 ms, 1.05 ms, where its swap-free plans ran
+# at their price. tensile_graph plans with it.
+CAPTURED_SWAP_COPY_SHARE = 0.04
+
+
+def swap_price_ms(nbytes: int, d2h_bw: float, h2d_bw: float, swap_cost_ms: float = 0.0,
+                  swap_copy_share: float = 0.0) -> float:
+    """What one swap of ``nbytes`` adds to the step in a plan's price (ms), its copies hidden:
+    ``swap_cost_ms``, plus ``swap_copy_share`` of its copies' own time (``nbytes`` over each
+    bandwidth, bytes/s: out and in)."""
+    return swap_cost_ms + swap_copy_share * 1e3 * nbytes * (1.0 / d2h_bw + 1.0 / h2d_bw)
 
 
 def plan(
@@ -80,6 +97,7 @@ def plan(
     allow_swaps: bool = True,
     rebuild_ahead: float = 0.0,
     swap_cost_ms: float = 0.0,
+    swap_copy_share: float = 0.0,
     swap_search: str = "unmet",
 ) -> Plan:
     """Plan swaps and recomputation for one iteration.
@@ -97,7 +115,10 @@ def plan(
     ``swap_cost_ms``: what each swap adds to the step beside its hidden copies (a captured
     step's joins: :data:`CAPTURED_SWAP_COST_MS`); it counts in the plan's estimated extra
     time, so the plan kept is the cheapest with it. 0 (default): swaps are free once hidden,
-    as TENSILE prices them.
+    as TENSILE prices them. ``swap_copy_share``: what share of its copies' time each swap
+    adds beside that (:func:`swap_price_ms`; a captured step's:
+    :data:`CAPTURED_SWAP_COPY_SHARE`): a swap of many bytes then competes with the rebuilds
+    it spares at what its copies take from the kernels beside them; 0 (default): nothing.
     ``swap_search``: when to run the greedy rounds seeded with the swaps of the bound's
     relaxation (:func:`_guided_runs`) and then search for the set of tensors swapped before
     the rounds (:func:`_swap_search`): ``"unmet"`` (default) where no plan so far meets the
@@ -109,6 +130,7 @@ def plan(
     check_plan_args(budget_bytes, d2h_bw, h2d_bw, copy_latency_ms, min_bytes)
     check_swap_search(swap_search)
     check_swap_cost(swap_cost_ms)
+    check_swap_copy_share(swap_copy_share)
     check_max_overhead(max_overhead)
     check_rebuild_ahead(rebuild_ahead)
     t0 = time.perf_counter()
@@ -116,7 +138,8 @@ def plan(
                       allow_recompute=allow_recompute, allow_cross_iteration=allow_cross_iteration,
                       copy_latency_ms=copy_latency_ms, min_bytes=min_bytes,
                       max_overhead=max_overhead, allow_swaps=allow_swaps,
-                      swap_cost_ms=swap_cost_ms, swap_search=swap_search)
+                      swap_cost_ms=swap_cost_ms, swap_copy_share=swap_copy_share,
+                      swap_search=swap_search)
     if rebuild_ahead:
         schedule_ahead(timeline, best, rebuild_ahead)
     best.planner_ms = (time.perf_counter() - t0) * 1e3
@@ -126,11 +149,11 @@ def plan(
 def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: float,
                h2d_bw: float, allow_recompute: bool, allow_cross_iteration: bool,
                copy_latency_ms: float, min_bytes: int, max_overhead: float, allow_swaps: bool,
-               swap_cost_ms: float, swap_search: str) -> Plan:
+               swap_cost_ms: float, swap_copy_share: float, swap_search: str) -> Plan:
     """The best of the greedy runs :func:`plan` makes (its comments), before rebuilds are
     scheduled ahead."""
     args = (timeline, budget_bytes, d2h_bw, h2d_bw, allow_recompute, allow_cross_iteration,
-            copy_latency_ms, min_bytes, max_overhead, swap_cost_ms)
+            copy_latency_ms, min_bytes, max_overhead, swap_cost_ms, swap_copy_share)
 
     def run(**kw) -> Plan:   # one greedy run, reverse-deleted (a plan without recomputes stays)
         return keep_what_fits(timeline, _greedy(*args, **kw))
@@ -164,7 +187,7 @@ def _best_plan(timeline: AccessTimeline, budget_bytes: int | None, *, d2h_bw: fl
         from .bound import extra_time_bound   # the bound builds on this module's rebuilds
         relaxed = extra_time_bound(timeline, budget_bytes, d2h_bw=d2h_bw, h2d_bw=h2d_bw,
                                    min_bytes=min_bytes, copy_latency_ms=copy_latency_ms,
-                                   swap_cost_ms=swap_cost_ms)
+                                   swap_cost_ms=swap_cost_ms, swap_copy_share=swap_copy_share)
         best = min([best] + _guided_runs(run, timeline, relaxed),
                    key=lambda r: _rank(r, budget_bytes))
     if searching(best) and best.recomputes:
@@ -404,13 +427,14 @@ def _rank(p: Plan, budget_bytes: int | None) -> tuple:
 
 def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h2d_bw: float,
             allow_recompute: bool, allow_cross_iteration: bool, copy_latency_ms: float,
-            min_bytes: int, max_overhead: float, swap_cost_ms: float, allow_swaps: bool,
-            transient: bool = True, no_swap: frozenset[int] = frozenset(),
+            min_bytes: int, max_overhead: float, swap_cost_ms: float, swap_copy_share: float,
+            allow_swaps: bool, transient: bool = True, no_swap: frozenset[int] = frozenset(),
             pre_swaps: tuple[int, ...] = (), swap_until: dict[int, int] | None = None) -> Plan:
     """One run of the greedy peak shaving (the module docstring); ``allow_swaps=False``:
     recomputation only; ``transient=False``: a recompute's dropped inputs are always rebuilt
     early and kept (see :meth:`PlanState.try_recompute`); ``no_swap``: storages never
-    swapped (they may still be rebuilt); ``swap_cost_ms``: each swap's price (:func:`plan`);
+    swapped (they may still be rebuilt); ``swap_cost_ms``, ``swap_copy_share``: each swap's
+    price (:func:`plan`);
     ``pre_swaps``: activations swapped for their whole gap before the rounds start, where
     they fit (:meth:`PlanState.swap_whole_gap`), each back by its op in ``swap_until`` where
     it has one (other entries there are not used)."""
@@ -442,7 +466,8 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
         peak_after=peak_after,
         feasible=budget_bytes is None or peak_after <= budget_bytes,
         est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes))
-        + swap_cost_ms * len(st.swaps),
+        + sum(swap_price_ms(s.nbytes, d2h_bw, h2d_bw, swap_cost_ms, swap_copy_share)
+              for s in st.swaps),
         iteration_ms=timeline.iteration_ms,
     )
     # The incremental curve and an independent replay must agree; if not, the
@@ -1103,6 +1128,12 @@ def check_swap_cost(swap_cost_ms) -> None:
     if not _nonneg_number(swap_cost_ms):
         raise ValueError(f"swap_cost_ms must be a number of ms >= 0 (0: swaps free once "
                          f"hidden), got {swap_cost_ms!r}")
+
+
+def check_swap_copy_share(swap_copy_share) -> None:
+    if not _nonneg_number(swap_copy_share) or swap_copy_share > 1:
+        raise ValueError(f"swap_copy_share must be a share of a swap's copy time in [0, 1] "
+                         f"(0: hidden copies cost the step nothing), got {swap_copy_share!r}")
 
 
 def check_max_overhead(max_overhead) -> None:

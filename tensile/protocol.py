@@ -12,8 +12,9 @@ Job → scheduler (``seq`` is optional; the reply carries it back as ``reply_to`
   ``bandwidths`` ``{"d2h": B/s, "h2d": B/s}``; optional ``iter_ms``, ``op_start_ms``,
   ``iter_start_s`` (as in ``measured``: a job that re-registers sends what it measured)
   and ``options`` ``{"allow_recompute", "allow_cross_iteration", "min_swap_bytes",
-  "swap_cost_ms"}`` (the last: what each swap adds to the job's step, e.g. its joins in a
-  CUDA graph; the joint plan prices swaps with it).
+  "swap_cost_ms", "swap_copy_share"}`` (the last two: what each swap adds to the job's
+  step, e.g. its joins in a CUDA graph, and the share of its copies' time it adds; the
+  joint plan prices swaps with them).
   Reply: the job's first ``plan``.
 * ``measured``: ``iter_ms`` (wall-clock iteration time); optional ``op_times_ms``
   (measured per-op times), ``op_start_ms`` (per-op start relative to the iteration
@@ -227,7 +228,7 @@ def options(name: str, x: Any) -> dict:
     if not isinstance(x, dict):
         _fail(name, "an object", x)
     known = {"allow_recompute": bool, "allow_cross_iteration": bool, "min_swap_bytes": int,
-             "swap_cost_ms": float}
+             "swap_cost_ms": float, "swap_copy_share": "share"}
     for k, v in x.items():
         if k not in known:
             _fail(f"{name}", f"only the keys {sorted(known)}", k)
@@ -237,6 +238,8 @@ def options(name: str, x: Any) -> dict:
             _fail(f"{name}.{k}", "an int >= 1", v)
         if known[k] is float and not (_is_num(v) and v >= 0):
             _fail(f"{name}.{k}", "a finite number >= 0 (ms)", v)
+        if known[k] == "share" and not (_is_num(v) and 0 <= v <= 1):
+            _fail(f"{name}.{k}", "a number in [0, 1]", v)
     return dict(x)
 
 

@@ -89,7 +89,8 @@ class _Job:
             allow_recompute=self.options.get("allow_recompute", True),
             allow_cross_iteration=self.options.get("allow_cross_iteration", True),
             min_bytes=self.options.get("min_swap_bytes", 1),
-            swap_cost_ms=float(self.options.get("swap_cost_ms", 0.0)))
+            swap_cost_ms=float(self.options.get("swap_cost_ms", 0.0)),
+            swap_copy_share=float(self.options.get("swap_copy_share", 0.0)))
 
 
 class SchedulerServer:

@@ -326,7 +326,7 @@ def test_keep_what_fits_gives_back_what_a_higher_budget_does_not_need():
 @settings(max_examples=60, deadline=None)
 @given(tl=timelines(), bw=bandwidths, overhead=st.floats(0.01, 0.5))
 def test_the_plan_is_the_best_of_swaps_first_or_not_and_transient_rebuilds_or_not(tl, bw, overhead):
-    args = (tl, None, bw, bw, True, True, 0.01, 1, overhead, 0.0)
+    args = (tl, None, bw, bw, True, True, 0.01, 1, overhead, 0.0, 0.0)
     runs = [_greedy(*args, allow_swaps=s, transient=t) for s in (True, False) for t in (True, False)]
     assert not runs[2].swaps and not runs[3].swaps
     assert not any(r.transient for r in runs[1].recomputes + runs[3].recomputes)
@@ -362,7 +362,7 @@ def test_every_greedy_run_is_a_valid_plan_not_only_the_one_kept(tl, frac, swaps,
     """plan() keeps the best of several greedy runs; each must be valid on its own. A run with
     one-off rebuilds once dropped an input of such a rebuild until after it (b6e7886)."""
     budget = max(1, int(frac * tl.vanilla_curve().max()))
-    r = _greedy(tl, budget, 1e3, 1e3, True, False, 0.01, 1, 0.0, 0.0, allow_swaps=swaps,
+    r = _greedy(tl, budget, 1e3, 1e3, True, False, 0.01, 1, 0.0, 0.0, 0.0, allow_swaps=swaps,
                 transient=transient)
     check_plan(tl, r)
     check_plan(tl, tensile.planner.keep_what_fits(tl, r))
@@ -409,7 +409,7 @@ def test_a_swap_across_a_rebuilds_peak_reaches_budgets_recomputation_alone_canno
     snap = PlanningSnapshot.load(SNAPSHOTS / RESNET50_STREAMED)
     tl = snap.timeline
     args = (tl, int(516.7 * MB), snap.d2h_bw, snap.h2d_bw, True, False, snap.copy_latency_ms,
-            snap.min_bytes, 0.0, CAPTURED_SWAP_COST_MS)
+            snap.min_bytes, 0.0, CAPTURED_SWAP_COST_MS, 0.0)
     runs = [_greedy(*args, allow_swaps=s, transient=t) for s in (True, False) for t in (True, False)]
     assert min(r.peak_after for r in runs) > 539 * MB
     # With one first-stage tensor swapped for its whole gap, the rest recomputed, the
@@ -477,7 +477,7 @@ def test_the_relaxations_swaps_seed_a_plan_the_greedy_runs_and_their_search_miss
     relaxed = extra_time_bound(tl, budget, **bound_args)
     seeded = {sid for sid, z in relaxed.swapped.items() if z >= min(tensile.planner.GUIDE_SHARES)}
     args = (tl, budget, snap.d2h_bw, snap.h2d_bw, True, False, snap.copy_latency_ms,
-            snap.min_bytes, 0.0, snap.options["swap_cost_ms"])
+            snap.min_bytes, 0.0, snap.options["swap_cost_ms"], 0.0)
     guided = tensile.planner._guided_runs(lambda **kw: tensile.planner.keep_what_fits(tl, _greedy(*args, **kw)),
                                           tl, relaxed)
     assert len(guided) in (4, 8) and seeded
@@ -512,7 +512,7 @@ def test_the_swap_search_adds_and_drops_swaps_from_none_and_from_the_relaxations
                                min_bytes=snap.min_bytes, copy_latency_ms=snap.copy_latency_ms,
                                swap_cost_ms=swap_cost)
     args = (tl, budget, snap.d2h_bw, snap.h2d_bw, True, True, snap.copy_latency_ms,
-            snap.min_bytes, 0.0, swap_cost)
+            snap.min_bytes, 0.0, swap_cost, 0.0)
 
     def run(**kw):
         return tensile.planner.keep_what_fits(tl, _greedy(*args, **kw))
