@@ -170,7 +170,7 @@ from experiments.store import ResultStore, date_stamp, file_slug, row_key
 from experiments.timing import summarize_ms
 from nimble.allocator import allocator_conf, expandable_segments
 from tensile import server
-from tensile.planner import CAPTURED_SWAP_COPY_SHARE, CAPTURED_SWAP_COST_MS
+from tensile.planner import CAPTURED_SWAP_COST_MS
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.streamed import DEFAULT_PREFETCH
 
@@ -571,10 +571,8 @@ def run_job(p: dict) -> dict:
                           scheduler_socket=p["socket"], job_id=p["job_id"], weight=p["weight"],
                           client_kwargs={"register_timeout_s": 120.0},
                           allow_cross_iteration=not captured,
-                          # a captured step's swaps cost their joins and a share of their
-                          # copies' time: the joint plan prices them
+                          # a captured step's swaps cost their joins: the joint plan prices them
                           swap_cost_ms=CAPTURED_SWAP_COST_MS if captured else 0.0,
-                          swap_copy_share=CAPTURED_SWAP_COPY_SHARE if captured else 0.0,
                           batch_norm_from_stats=p.get("bn_from_stats", False), **p["rates"])
         outside["scheduler"] = _outside_allocator_mb(cuda)
         # captured: the first replay() steps, the second captures (after the scheduler's

@@ -48,7 +48,7 @@ from nimble.allocator import expandable_segments
 from tensile.baselines import METHODS, make_method
 from tensile.estimate import measure_copy_bandwidth, measure_peak_rates
 from tensile.api import SchedulerReport, gb_per_s
-from tensile.planner import CAPTURED_SWAP_COPY_SHARE, CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS, SWAP_SEARCH
+from tensile.planner import CAPTURED_SWAP_COST_MS, COPY_LATENCY_MS, SWAP_SEARCH
 from tensile.step import training_step
 from tensile.resident import AUTO, DEFAULT_STREAM_OVERHEAD
 from tensile.scale import valid_record_batches
@@ -121,12 +121,10 @@ def validate(cfg, models: dict) -> None:
         raise ConfigError(f"experiment.swap_cost_ms must be a time in ms >= 0, or null for each "
                           f"method's own (tensile_graph: {CAPTURED_SWAP_COST_MS:g}, tensile: 0), "
                           f"got {sc!r}")
-    share = exp.get("swap_copy_share")
-    if share is not None and (not isinstance(share, (int, float)) or isinstance(share, bool)
-                              or not 0 <= share <= 1):
+    share = exp.get("swap_copy_share", 0.0)
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 <= share <= 1:
         raise ConfigError(f"experiment.swap_copy_share must be a share of a swap's copy time in "
-                          f"[0, 1], or null for each method's own (tensile_graph: "
-                          f"{CAPTURED_SWAP_COPY_SHARE:g}, tensile: 0), got {share!r}")
+                          f"[0, 1], got {share!r}")
     ss = exp.get("swap_search", "unmet")
     if ss not in SWAP_SEARCH:
         raise ConfigError(f"experiment.swap_search must be one of {', '.join(SWAP_SEARCH)} (when "
@@ -328,7 +326,7 @@ def method_label(name: str, exp) -> str:
             knobs.append(f"rebuild_ahead={exp.rebuild_ahead:g}")
         if exp.get("swap_cost_ms") is not None:
             knobs.append(f"swap_cost_ms={exp.swap_cost_ms:g}")
-        if exp.get("swap_copy_share") is not None:
+        if exp.get("swap_copy_share", 0.0):
             knobs.append(f"swap_copy_share={exp.swap_copy_share:g}")
         if exp.get("swap_search", "unmet") != "unmet":
             knobs.append(f"swap_search={exp.swap_search}")
@@ -810,7 +808,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
                 opts["rebuild_ahead"] = float(exp.rebuild_ahead)
             if exp.get("swap_cost_ms") is not None:
                 opts["swap_cost_ms"] = float(exp.swap_cost_ms)
-            if exp.get("swap_copy_share") is not None:
+            if exp.get("swap_copy_share", 0.0):
                 opts["swap_copy_share"] = float(exp.swap_copy_share)
             if exp.get("swap_search", "unmet") != "unmet":
                 opts["swap_search"] = str(exp.swap_search)

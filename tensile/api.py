@@ -299,11 +299,9 @@ class Scheduler:
     the plan (:func:`tensile.planner.plan`; with ``scheduler_socket`` it goes to the
     scheduler process as the job's option, for the joint plan); a captured step's are
     :data:`tensile.planner.CAPTURED_SWAP_COST_MS`, which ``tensile_graph`` plans with.
-    ``swap_copy_share``: the share of its copies' time each swap adds beside that (their
-    HBM traffic slows the kernels beside them), priced likewise
-    (:func:`tensile.planner.swap_price_ms`); a captured step's is
-    :data:`tensile.planner.CAPTURED_SWAP_COPY_SHARE` (``tensile_graph``'s); 0 (default):
-    nothing.
+    ``swap_copy_share``: the share of its copies' own time each swap adds beside that,
+    priced likewise (:func:`tensile.planner.plan` says what was measured; 0, the default:
+    nothing).
     ``swap_search`` (local planning): ``"always"`` also plans again seeded with the swaps of
     the bound's relaxation, and searches over which tensors to swap, where the budget is
     met, for a cheaper plan (seconds to a few minutes of planning more); ``"unmet"``

@@ -63,7 +63,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 from .api import Scheduler, gb_per_s
 from .graph import GraphStep
 from .policies import POLICIES
-from .planner import CAPTURED_SWAP_COPY_SHARE, CAPTURED_SWAP_COST_MS
+from .planner import CAPTURED_SWAP_COST_MS
 from .step import training_step
 from .resident import DEFAULT_STREAM_OVERHEAD, install_streamed
 from .snapshot import PlanningSnapshot
@@ -365,8 +365,6 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                          f"simulation (model on {device}, simulate={simulate})")
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     scheduler_kwargs.setdefault("swap_cost_ms", CAPTURED_SWAP_COST_MS)  # its joins, per swap
-    # and what its copies take from the kernels beside them, per byte
-    scheduler_kwargs.setdefault("swap_copy_share", CAPTURED_SWAP_COPY_SHARE)
     if stream_optimizer:   # the update in backward, state streamed from the host (groups)
         streamed = install_streamed(model, optimizer, example_batch, loss_fn,
                                     groups=stream_optimizer, prefetch=stream_prefetch,

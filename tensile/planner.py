@@ -52,8 +52,7 @@ from .timeline import CROSS_ITERATION_ROLES, AccessTimeline, base_name
 if TYPE_CHECKING:   # the bound builds on this module's rebuilds
     from .bound import PlanBound
 
-__all__ = ["plan", "swap_price_ms", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS",
-           "CAPTURED_SWAP_COPY_SHARE"]
+__all__ = ["plan", "swap_price_ms", "COPY_LATENCY_MS", "CAPTURED_SWAP_COST_MS"]
 
 EPS = 1e-9
 # What every planned copy costs beyond bytes / bandwidth (ms): the default of the planner,
@@ -65,14 +64,6 @@ COPY_LATENCY_MS = 0.01
 # ms over its priced rebuilds where the same job's swap-free plan ran at its price (twenty-
 # ninth session, results/h200/README.md): about 0.02 ms a swap. tensile_graph plans with it.
 CAPTURED_SWAP_COST_MS = 0.02
-# What share of a swap's copy time (out and in, bytes / bandwidth) a captured step pays
-# although the copies are hidden: they take HBM bandwidth the kernels beside them need. On
-# the H200, captured swap plans ran over their price by more the more bytes they copied:
-# over the same model's rebuild-only plans, a median 4.3 % of their copies' time (interquartile
-# 1.6-8.0 %) over the 130 runs at b >= 8 with swaps (sixty-fourth session, results/h200/
-# README.md); DenseNet-121 at b=16, 10 % of 10.7 ms, 1.05 ms, where its swap-free plans ran
-# at their price. tensile_graph plans with it.
-CAPTURED_SWAP_COPY_SHARE = 0.04
 
 
 def swap_price_ms(nbytes: int, d2h_bw: float, h2d_bw: float, swap_cost_ms: float = 0.0,
@@ -115,10 +106,15 @@ def plan(
     ``swap_cost_ms``: what each swap adds to the step beside its hidden copies (a captured
     step's joins: :data:`CAPTURED_SWAP_COST_MS`); it counts in the plan's estimated extra
     time, so the plan kept is the cheapest with it. 0 (default): swaps are free once hidden,
-    as TENSILE prices them. ``swap_copy_share``: what share of its copies' time each swap
-    adds beside that (:func:`swap_price_ms`; a captured step's:
-    :data:`CAPTURED_SWAP_COPY_SHARE`): a swap of many bytes then competes with the rebuilds
-    it spares at what its copies take from the kernels beside them; 0 (default): nothing.
+    as TENSILE prices them. ``swap_copy_share``: what share of its copies' own time (bytes
+    over bandwidth, out and in) each swap adds beside that (:func:`swap_price_ms`), so that
+    a swap of many bytes competes with the rebuilds it spares at what it costs the step
+    although hidden; 0 (default): nothing. Captured swap plans ran over their price by
+    about that much, 1-10 % of the copies' time, but by model: on the H200 over the same
+    model's rebuild-only plans DenseNet-121 about 10 %, Inception-v4 and -v3 about 6 %,
+    ResNet-50 2 %, and on an H100 Inception-v4 under 1 %, where 4 % made its plan 0.4 ms
+    slower (sixty-fourth session, ``results/h100-80gb-hbm3/README.md``): no one value
+    serves every job, so none is the default.
     ``swap_search``: when to run the greedy rounds seeded with the swaps of the bound's
     relaxation (:func:`_guided_runs`) and then search for the set of tensors swapped before
     the rounds (:func:`_swap_search`): ``"unmet"`` (default) where no plan so far meets the
