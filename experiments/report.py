@@ -947,8 +947,13 @@ def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
     ``captured_vanilla_ms``), its plan's price and how many swaps it made, the gap
     ``TENSILE − unplanned − priced`` (mean step, ms): median and range, beside the median
     bytes the plan copied each way a step. The planner prices a swap's copies as hidden
-    behind compute (plus ``swap_cost_ms`` each); a gap that grows with the bytes copied is
-    copy time the step paid. ``rows``: :func:`load_rows` with ``every_row``."""
+    behind compute (plus ``swap_cost_ms`` each, and ``swap_copy_share`` of their time where
+    set); a gap that grows with the bytes copied is copy time the step paid. For swap
+    plans, ``copy share`` is that excess as a share of the copies' own time (bytes over the
+    planner's bandwidths, out and in): per run, its gap less the median gap of the same
+    model and batch's rebuild-only runs, over its copies' time; the median of the runs (what
+    ``swap_copy_share`` would have priced; NaN without rebuild-only runs or recorded bytes).
+    ``rows``: :func:`load_rows` with ``every_row``."""
     runs = []
     for r, extra in _tensile_rows(rows):
         unplanned, priced = extra.get("captured_vanilla_ms"), extra.get("plan_overhead_ms")
@@ -956,20 +961,30 @@ def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
         if not str(r["backend"]).startswith("tensile_graph") or None in (unplanned, priced, swaps):
             continue
         moved = extra.get("bytes_moved_per_step")   # unrecorded: not counted as nothing moved
+        gbps = [extra.get("d2h_gbps"), extra.get("h2d_gbps")]
+        copy_ms = (float("nan") if moved is None or not all(gbps)
+                   else moved / 2 * sum(1 / g for g in gbps) / 1e6)   # GB/s: bytes/us
         runs.append({"model": r["model"], "batch": int(r["batch_size"]),
                      "plan": "swaps" if swaps else "rebuilds only",
                      "gap": r["mean_ms"] - unplanned - priced,
-                     "each way": float("nan") if moved is None else moved / 2 / 2**20})
+                     "each way": float("nan") if moved is None else moved / 2 / 2**20,
+                     "copy ms": copy_ms})
     cols = ["model", "batch", "plan", "runs", "median gap ms", "gap range ms",
-            "median MiB each way"]
+            "median MiB each way", "copy share"]
     if not runs:
         return pd.DataFrame(columns=cols)
+    runs = pd.DataFrame(runs)
+    rebuild_gap = runs[runs["plan"] == "rebuilds only"].groupby(["model", "batch"])["gap"].median()
     lines = []
-    for (model, batch, kind), g in pd.DataFrame(runs).groupby(["model", "batch", "plan"]):
+    for (model, batch, kind), g in runs.groupby(["model", "batch", "plan"]):
+        share = float("nan")
+        if kind == "swaps" and (model, batch) in rebuild_gap.index:
+            share = ((g["gap"] - rebuild_gap[(model, batch)]) / g["copy ms"]).median()
         lines.append({"model": model, "batch": batch, "plan": kind, "runs": len(g),
                       "median gap ms": round(g["gap"].median(), 3),
                       "gap range ms": f"{g['gap'].min():.2f} to {g['gap'].max():.2f}",
-                      "median MiB each way": round(g["each way"].median(), 1)})
+                      "median MiB each way": round(g["each way"].median(), 1),
+                      "copy share": round(share, 3)})
     return pd.DataFrame(lines, columns=cols)
 
 
@@ -1886,9 +1901,13 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                    "scheduler captured without a plan (`unplanned`): gap = TENSILE − unplanned − "
                    "priced (mean step, ms), per kind of plan; MiB each way = what the plan's swaps "
                    "copy out (and back in) a step. The planner prices swapped copies as hidden "
-                   "behind compute (plus `swap_cost_ms` each), so a gap that grows with the bytes "
-                   "copied is copy time the step paid. `unplanned` is the quietest of ten rounds "
-                   "(about 0.1-0.2 ms under a mean), so both kinds of plan read that much high.",
+                   "behind compute (plus `swap_cost_ms` each, and `swap_copy_share` of their time "
+                   "where set), so a gap that grows with the bytes copied is copy time the step "
+                   "paid. `unplanned` is the quietest of ten rounds (about 0.1-0.2 ms under a "
+                   "mean), so both kinds of plan read that much high. copy share = a swap plan's "
+                   "gap over the median of the same model's rebuild-only plans, as a share of its "
+                   "copies' own time (bytes over the planner's bandwidths, out and in): the median "
+                   "of its runs, what `experiment.swap_copy_share` would price.",
                    "", md_table(gap), ""]
         census = tensile_census_table(every_row)
         if len(census):

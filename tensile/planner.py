@@ -110,10 +110,12 @@ def plan(
     over bandwidth, out and in) each swap adds beside that (:func:`swap_price_ms`), so that
     a swap of many bytes competes with the rebuilds it spares at what it costs the step
     although hidden; 0 (default): nothing. Captured swap plans ran over their price by
-    about that much, 1-10 % of the copies' time, but by model: on the H200 over the same
-    model's rebuild-only plans DenseNet-121 about 10 %, Inception-v4 and -v3 about 6 %,
-    ResNet-50 2 %, and on an H100 Inception-v4 under 1 %, where 4 % made its plan 0.4 ms
-    slower (sixty-fourth session, ``results/h100-80gb-hbm3/README.md``): no one value
+    such a share, but one that depends on the model and the GPU (the price-gap table of
+    ``experiments.report``): on the H200 DenseNet-121 10 %, Inception-v3 and -v4 6 %,
+    ResNet-50 2 %; on an H100 DenseNet-121 3 %, while Inception-v4's swap plans ran a
+    median 0.08 ms over their price there (under 1 %). With 0.04 DenseNet-121's plan drops
+    its swaps and ran 0.2 ms faster on an H100; Inception-v4's keeps fewer and showed no
+    gain there (sixty-fourth session, ``results/h100-80gb-hbm3/README.md``): no one value
     serves every job, so none is the default.
     ``swap_search``: when to run the greedy rounds seeded with the swaps of the bound's
     relaxation (:func:`_guided_runs`) and then search for the set of tensors swapped before

@@ -351,7 +351,8 @@ def test_captured_plans_against_their_price_split_by_swaps(tmp_path):
     mib = 2 ** 20
     for mean, swaps, moved in [(21.0, 5, 400 * mib), (21.4, 5, 440 * mib), (20.6, 0, 0)]:
         _tensile_row(store, label, mean, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
-                     plan_overhead_ms=1.5, swaps_planned=swaps, bytes_moved_per_step=moved, **dn)
+                     plan_overhead_ms=1.5, swaps_planned=swaps, bytes_moved_per_step=moved,
+                     d2h_gbps=50.0, h2d_gbps=25.0, **dn)
     # a swap plan that did not record its bytes: its gap counts, its bytes are not taken as 0
     _tensile_row(store, label, 21.2, 500.0, 0.76, -0.6, captured_vanilla_ms=19.2,
                  plan_overhead_ms=1.5, swaps_planned=5, **dn)
@@ -366,6 +367,12 @@ def test_captured_plans_against_their_price_split_by_swaps(tmp_path):
     assert t.loc["swaps", "gap range ms"] == "0.30 to 0.70"
     assert t.loc["swaps", "median MiB each way"] == 210.0
     assert t.loc["rebuilds only", "median gap ms"] == pytest.approx(-0.1)
+    # copy share: (gap + 0.1) over the copies' time (200 MiB out at 50 GB/s, in at 25), per
+    # run with bytes (0.4 over 12.58 ms, 0.8 over 13.84 ms), the median of the two
+    out_in_ms = [m * mib * (1 / 50e9 + 1 / 25e9) * 1e3 for m in (200, 220)]
+    assert t.loc["swaps", "copy share"] == pytest.approx(
+        round((0.4 / out_in_ms[0] + 0.8 / out_in_ms[1]) / 2, 3))
+    assert pd.isna(t.loc["rebuilds only", "copy share"])
     assert report.tensile_price_gap_table(report.load_rows(tmp_path / "none", every_row=True)).empty
 
 

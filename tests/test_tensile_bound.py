@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensile.bound import extra_time_bound
-from tensile.planner import plan
+from tensile.planner import plan, swap_price_ms
 from tensile.timeline import AccessTimeline
 from test_tensile_planner import EPS, bandwidths, timelines
 
@@ -113,18 +113,41 @@ def test_bad_arguments_are_refused():
         extra_time_bound(tl, MB, swap_cost_ms="0.02")
 
 
+def test_a_swap_also_pays_its_share_of_its_copies_time():
+    """As :func:`test_each_swap_pays_its_price_and_each_copy_its_latency`, at 10 GB/s: a's
+    copies take 0.42 ms each way, and ``swap_copy_share`` of their 0.84 ms is priced on top
+    of ``swap_cost_ms``, as the planner prices it, until b's 0.5 ms rebuild is cheaper."""
+    tl = two_activations()
+    budget = int(tl.vanilla_curve().max()) - 4 * MB
+    copies_ms = 2 * 4 * MB / 1e10 * 1e3
+
+    def bound(**kw):
+        return extra_time_bound(tl, budget, d2h_bw=1e10, h2d_bw=1e10, **kw).extra_ms
+    assert bound() == 0.0
+    assert bound(swap_copy_share=0.25) == pytest.approx(0.25 * copies_ms)
+    assert bound(swap_cost_ms=0.1, swap_copy_share=0.25) == pytest.approx(0.1 + 0.25 * copies_ms)
+    assert bound(swap_copy_share=1.0) == pytest.approx(0.5)   # 0.84 ms: b's rebuild is cheaper
+    assert swap_price_ms(4 * MB, 1e10, 2e10, 0.1, 0.5) == pytest.approx(0.1 + 0.5 * (0.4194 + 0.2097), rel=1e-4)
+    for bad in (-0.1, 1.5, True, "0.04"):
+        with pytest.raises(ValueError, match="swap_copy_share must be a share of a swap's copy time in"):
+            extra_time_bound(tl, budget, swap_copy_share=bad)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tl=timelines(), bw=bandwidths, frac=st.floats(0.0, 1.0), swaps=st.booleans(),
-       latency=st.sampled_from([0.0, 0.01, 0.1]), swap_cost=st.sampled_from([0.0, 0.02, 0.5]))
-def test_no_plan_the_planner_finds_costs_less_than_the_bound(tl, bw, frac, swaps, latency, swap_cost):
+       latency=st.sampled_from([0.0, 0.01, 0.1]), swap_cost=st.sampled_from([0.0, 0.02, 0.5]),
+       share=st.sampled_from([0.0, 0.04, 0.5]))
+def test_no_plan_the_planner_finds_costs_less_than_the_bound(tl, bw, frac, swaps, latency, swap_cost,
+                                                              share):
     # a budget the planner can reach: between the lowest peak it plans to and the peak
     lowest = plan(tl, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False, allow_swaps=swaps,
                   max_overhead=100.0, copy_latency_ms=latency)
     budget = max(1, lowest.peak_after + int(frac * (lowest.peak_before - lowest.peak_after)))
     p = plan(tl, budget_bytes=budget, d2h_bw=bw, h2d_bw=bw, allow_cross_iteration=False,
-             allow_swaps=swaps, copy_latency_ms=latency, swap_cost_ms=swap_cost)
+             allow_swaps=swaps, copy_latency_ms=latency, swap_cost_ms=swap_cost,
+             swap_copy_share=share)
     b = extra_time_bound(tl, budget, d2h_bw=bw if swaps else None, h2d_bw=bw if swaps else None,
-                         copy_latency_ms=latency, swap_cost_ms=swap_cost)
+                         copy_latency_ms=latency, swap_cost_ms=swap_cost, swap_copy_share=share)
     if p.feasible:   # a plan that fits is a solution of the bound's program: never cheaper
         assert b.extra_ms is not None
         assert p.est_overhead_ms >= b.extra_ms - EPS

@@ -232,6 +232,16 @@ def test_swap_cost_reaches_the_planner_and_names_the_method(small, tmp_path):
     assert p.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in p.recomputes) + 0.5 * len(p.swaps))
 
 
+def test_swap_copy_share_reaches_the_planner_and_names_the_method(small, tmp_path):
+    snap = _tensile_snapshot(tmp_path, "experiment.swap_copy_share=0.5", "tensile(swap_copy_share=0.5)")
+    assert snap.options["swap_copy_share"] == 0.5
+    p = snap.plan
+    copies_ms = sum(1e3 * s.nbytes * (1 / snap.d2h_bw + 1 / snap.h2d_bw) for s in p.swaps)
+    assert p.est_overhead_ms == pytest.approx(sum(r.cost_ms for r in p.recomputes) + 0.5 * copies_ms)
+    row = _rows(tmp_path)["tensile(swap_copy_share=0.5)"]
+    assert row["extra"]["plan_swaps_priced_ms"] == pytest.approx(0.5 * copies_ms)
+
+
 def test_rebuild_ahead_reaches_the_plan_and_names_the_method(small, tmp_path):
     # without swaps: the plan then rebuilds (with them it may only swap)
     run.run_config(_cfg(tmp_path, "experiment.methods=[vanilla,tensile]", "experiment.budget=0.8",
@@ -380,6 +390,8 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.max_overhead=-0.1"], r"max_overhead must be a fraction of the iteration time in \[0, 1\)"),
     (["experiment.copy_latency_ms=-1"], r"copy_latency_ms must be a time in ms >= 0, got -1"),
     (["experiment.swap_cost_ms=-0.1"], r"swap_cost_ms must be a time in ms >= 0, or null"),
+    (["experiment.swap_copy_share=1.5"], r"swap_copy_share must be a share of a swap's copy time in \[0, 1\], got 1.5"),
+    (["experiment.swap_copy_share=null"], r"swap_copy_share must be a share of a swap's copy time"),
     (["experiment.swap_search=sometimes"], r"swap_search must be one of unmet, always, never .*, got 'sometimes'"),
     (["experiment.count_workspaces=2"], r"experiment.count_workspaces must be true or false \(whether"),
     (["experiment.time_captured_copies=2"], "experiment.time_captured_copies must be true or false, got 2"),

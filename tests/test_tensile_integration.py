@@ -161,6 +161,17 @@ def test_a_jobs_swap_price_goes_to_the_scheduler(sock_path, server, jobs):
     assert a.plan.est_overhead_ms == pytest.approx(0.5 * len(a.plan.swaps))
 
 
+def test_a_jobs_swap_price_by_bytes_goes_to_the_scheduler(sock_path, server, jobs):
+    """``swap_copy_share`` with a scheduler process is the job's option too: the joint plan
+    prices each swap of the job at that share of its copies' time."""
+    a = jobs(sock_path, "a", swap_copy_share=0.5)
+    assert a.client.options["swap_copy_share"] == 0.5
+    assert a.plan.swaps and not a.plan.recomputes
+    assert a.plan.est_overhead_ms == pytest.approx(sum(
+        0.5 * 1e3 * s.nbytes * (1 / a.d2h_bw + 1 / a.h2d_bw) for s in a.plan.swaps))
+    assert a.report().swaps_priced_ms == pytest.approx(a.plan.est_overhead_ms)
+
+
 def test_no_scheduler_means_vanilla_and_identical_training(sock_path, jobs):
     t0 = time.monotonic()
     s = jobs(sock_path, "alone")  # nobody listens at sock_path
@@ -231,6 +242,11 @@ def test_budget_or_planner_with_a_socket_is_refused(sock_path):
     with pytest.raises(ValueError, match="swap_cost_ms=0.02 is an option of TENSILE's own planner"):
         tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_cost_ms=0.02,
                           planner=tensile.vdnn_plan, **RATES)
+    with pytest.raises(ValueError, match="swap_copy_share=0.04 is an option of TENSILE's own planner"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_copy_share=0.04,
+                          planner=tensile.vdnn_plan, **RATES)
+    with pytest.raises(ValueError, match="swap_copy_share must be a share"):
+        tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_copy_share=2, **RATES)
     with pytest.raises(ValueError, match="swap_search='always' is an option of TENSILE's own planner"):
         tensile.Scheduler(model, opt, b, nn.functional.cross_entropy, swap_search="always",
                           scheduler_socket=sock_path, **RATES)

@@ -202,6 +202,30 @@ def test_priced_swaps_go_to_an_unpriced_job_or_give_way_to_recomputes():
     assert dear["a"].est_overhead_ms + dear["b"].est_overhead_ms == pytest.approx(rebuilt[0].cost_ms)
 
 
+def test_a_jobs_swaps_priced_by_their_bytes():
+    """``swap_copy_share``: each swap of the job costs that share of its copies' time (an
+    8 MiB swap at 20 GB/s: 0.84 ms out and in); under a budget the joint plan weighs it
+    against a 0.5 ms rerun, as the single-job planner does."""
+    budget = 2 * 33 * MB - 8 * MB
+    copies_ms = 2 * 8 * MB / BW * 1e3
+
+    def joint(share):
+        jobs = [JobSpec("a", job_timeline(0.5), swap_copy_share=share),
+                JobSpec("b", job_timeline(0.5), swap_copy_share=share)]
+        jp = plan_jobs(jobs, budget_bytes=budget, d2h_bw=BW, h2d_bw=BW)
+        check_joint(jobs, jp)
+        assert jp.feasible
+        return jp.plans
+    cheap = joint(0.25)              # 0.21 ms: cheaper than the rerun, kept and counted
+    assert len(cheap["a"].swaps) == 1 and not cheap["a"].recomputes
+    assert cheap["a"].est_overhead_ms == pytest.approx(0.25 * copies_ms)
+    dear = joint(1.0)                # 0.84 ms: the rerun is cheaper
+    assert not dear["a"].swaps and not dear["b"].swaps
+    assert len(dear["a"].recomputes + dear["b"].recomputes) == 1
+    with pytest.raises(ValueError, match="swap_copy_share must be a share of a swap's copy time"):
+        plan_jobs([JobSpec("a", job_timeline(), swap_copy_share=2.0)], d2h_bw=BW, h2d_bw=BW)
+
+
 def test_a_budget_share_is_that_share_of_the_joint_peak():
     """``budget_share`` plans as the same budget in bytes would, and moves only what the
     cut needs: fewer swaps than without a budget, which hides every swap it can."""

@@ -161,6 +161,8 @@ def test_frames_round_trip_and_refuse_bad_json():
     ({**register_msg(), "options": {"recompute": True}}, "only the keys"),
     ({**register_msg(), "options": {"swap_cost_ms": -1}}, r"options.swap_cost_ms: expected a finite number >= 0"),
     ({**register_msg(), "options": {"swap_cost_ms": True}}, "swap_cost_ms"),
+    ({**register_msg(), "options": {"swap_copy_share": 1.5}}, r"options.swap_copy_share: expected a number in \[0, 1\]"),
+    ({**register_msg(), "options": {"swap_copy_share": "0.04"}}, "swap_copy_share"),
 ])
 def test_job_messages_are_validated(msg, match):
     with pytest.raises(ProtocolError, match=match):
@@ -323,6 +325,20 @@ def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients):
     swaps with it; under a budget the other job, whose swaps are free, takes the swap."""
     srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
     a = clients(srv, "a", options={"swap_cost_ms": 1e-3})
+    b = clients(srv, "b")
+    a.register(job_timeline(), bandwidths=BW)
+    b.register(job_timeline(), bandwidths=BW)
+    assert newer(a, 1)
+    plans = srv.last_joint.plans
+    assert srv.last_joint.feasible
+    assert not plans["a"].swaps and len(plans["b"].swaps) == 1
+
+
+def test_a_jobs_swap_price_by_bytes_reaches_the_joint_plan(start_server, clients):
+    """``options.swap_copy_share``: the scheduler prices that job's swaps by their bytes;
+    under a budget the other job, whose swaps are free, takes the swap."""
+    srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
+    a = clients(srv, "a", options={"swap_copy_share": 0.01})
     b = clients(srv, "b")
     a.register(job_timeline(), bandwidths=BW)
     b.register(job_timeline(), bandwidths=BW)
