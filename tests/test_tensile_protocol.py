@@ -320,25 +320,13 @@ def test_the_scheduler_command_refuses_a_bad_budget(argv, expected, sock_dir, ca
     assert not (sock_dir / "s.sock").exists()
 
 
-def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients):
-    """``options.swap_cost_ms`` (a captured job's joins): the scheduler prices that job's
-    swaps with it; under a budget the other job, whose swaps are free, takes the swap."""
+@pytest.mark.parametrize("price", [{"swap_cost_ms": 1e-3}, {"swap_copy_share": 0.01}])
+def test_a_jobs_swap_price_reaches_the_joint_plan(start_server, clients, price):
+    """``options.swap_cost_ms`` (a captured job's joins) or ``swap_copy_share`` (a share of
+    each swap's copy time): the scheduler prices that job's swaps with it; under a budget the
+    other job, whose swaps are free, takes the swap."""
     srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
-    a = clients(srv, "a", options={"swap_cost_ms": 1e-3})
-    b = clients(srv, "b")
-    a.register(job_timeline(), bandwidths=BW)
-    b.register(job_timeline(), bandwidths=BW)
-    assert newer(a, 1)
-    plans = srv.last_joint.plans
-    assert srv.last_joint.feasible
-    assert not plans["a"].swaps and len(plans["b"].swaps) == 1
-
-
-def test_a_jobs_swap_price_by_bytes_reaches_the_joint_plan(start_server, clients):
-    """``options.swap_copy_share``: the scheduler prices that job's swaps by their bytes;
-    under a budget the other job, whose swaps are free, takes the swap."""
-    srv = start_server(budget_bytes=2 * 33 * MB - 8 * MB)
-    a = clients(srv, "a", options={"swap_copy_share": 0.01})
+    a = clients(srv, "a", options=price)
     b = clients(srv, "b")
     a.register(job_timeline(), bandwidths=BW)
     b.register(job_timeline(), bandwidths=BW)
