@@ -77,9 +77,9 @@ class JobSpec:
     ``swap_cost_ms``: what each swap adds to the job's step beside its hidden copies (a
     captured step's joins: :data:`tensile.planner.CAPTURED_SWAP_COST_MS`), and
     ``swap_copy_share`` the share of its copies' own time it adds
-    (:func:`tensile.planner.swap_price_ms`);
-    they count in the job's estimated extra time, and under a budget :func:`plan_jobs`
-    keeps the cheaper of the joint plans with and without such swaps.
+    (:func:`tensile.planner.swap_price_ms`); they count in the job's estimated extra time,
+    and under a budget :func:`plan_jobs` keeps the cheaper of the joint plans with and
+    without such swaps.
     """
 
     job_id: str
