@@ -113,7 +113,7 @@ def plan(
     such a share, but one that depends on the model and the GPU (the price-gap table of
     ``experiments.report``): on the H200 DenseNet-121 10 %, Inception-v3 and -v4 6 %,
     ResNet-50 2 %; on an H100 DenseNet-121 3 %, while Inception-v4's swap plans ran a
-    median 0.08 ms over their price there (under 1 %). With 0.04 DenseNet-121's plan drops
+    median 0.06 ms over their price there (under 1 %). With 0.04 DenseNet-121's plan drops
     its swaps and ran 0.2 ms faster on an H100; Inception-v4's keeps fewer and showed no
     gain there (sixty-fourth session, ``results/h100-80gb-hbm3/README.md``): no one value
     serves every job, so none is the default.
