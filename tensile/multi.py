@@ -57,8 +57,7 @@ from .plan import Plan
 # The single-job planner's working state and channel are reused as they are; only the
 # channels are swapped for views of the shared ones (see _JobChannel).
 from .planner import (COPY_LATENCY_MS, EPS, CopyChannel, PlanState, check_max_overhead,
-                      check_plan_args, check_swap_copy_share, check_swap_cost, swap_price_ms,
-                      with_first_uses)
+                      check_plan_args, check_swap_copy_share, check_swap_cost, with_first_uses)
 from .simulate import simulate
 from .timeline import AccessTimeline
 
@@ -432,17 +431,11 @@ def _joint_rank(states: dict[str, PlanState], mem: np.ndarray, jobs: Sequence[Jo
     feasible, then (none feasible) the lower peak, then the weighted sum of the jobs'
     estimated extra time over their iterations, then fewer copies."""
     peak = int(mem.max())
-    extra = sum(j.weight * _extra_ms(states[j.job_id], j) / states[j.job_id].tl.iteration_ms
+    extra = sum(j.weight * states[j.job_id].extra_ms(j.swap_cost_ms, j.swap_copy_share)
+                / states[j.job_id].tl.iteration_ms
                 for j in jobs)
     return (peak > budget_bytes, 0 if peak <= budget_bytes else peak, extra,
             sum(len(st.swaps) for st in states.values()))
-
-
-def _extra_ms(st: PlanState, job: JobSpec) -> float:
-    """A job's estimated extra time: its recomputes and the price of its swaps."""
-    return float(sum(r.cost_ms for r in st.recomputes)) + sum(
-        swap_price_ms(s.nbytes, *st.bandwidths, job.swap_cost_ms, job.swap_copy_share)
-        for s in st.swaps)
 
 
 def _shave_once(p: int, classes: list[float], jobs: Sequence[JobSpec], lay: JointLayout,
@@ -478,7 +471,8 @@ def _job_plan(st: PlanState, job: JobSpec, budget: int | None, d2h_bw: float, h2
         swaps=with_first_uses(tl, st.swaps, st.recomputes),
         recomputes=sorted(st.recomputes, key=lambda r: (r.before_op, r.sid)),
         peak_before=int(tl.vanilla_curve().max()), peak_after=int(st.mem.max()),
-        est_overhead_ms=_extra_ms(st, job), iteration_ms=tl.iteration_ms)
+        est_overhead_ms=st.extra_ms(job.swap_cost_ms, job.swap_copy_share),
+        iteration_ms=tl.iteration_ms)
 
 
 def simulate_joint(layout: JointLayout, plans: Mapping[str, Plan | None]) -> np.ndarray:

@@ -463,9 +463,7 @@ def _greedy(timeline: AccessTimeline, budget_bytes: int | None, d2h_bw: float, h
         peak_before=peak_before,
         peak_after=peak_after,
         feasible=budget_bytes is None or peak_after <= budget_bytes,
-        est_overhead_ms=float(sum(r.cost_ms for r in st.recomputes))
-        + sum(swap_price_ms(s.nbytes, d2h_bw, h2d_bw, swap_cost_ms, swap_copy_share)
-              for s in st.swaps),
+        est_overhead_ms=st.extra_ms(swap_cost_ms, swap_copy_share),
         iteration_ms=timeline.iteration_ms,
     )
     # The incremental curve and an independent replay must agree; if not, the
@@ -605,6 +603,13 @@ class PlanState:
         # issued (:func:`recompute_of`) and done by the rebuild's start (:meth:`_add_swap`)
         self.back_by: dict[int, int] = {}
         self.reserve_transfers()
+
+    def extra_ms(self, swap_cost_ms: float, swap_copy_share: float) -> float:
+        """The plan's estimated extra time so far: its rebuilds' rerun time and each swap's
+        price (:func:`swap_price_ms`)."""
+        return float(sum(r.cost_ms for r in self.recomputes)) + sum(
+            swap_price_ms(s.nbytes, *self.bandwidths, swap_cost_ms, swap_copy_share)
+            for s in self.swaps)
 
     def reserve_transfers(self) -> None:
         """Mark the step's own copies (``tl.transfers``: a streamed optimizer's state) busy on
