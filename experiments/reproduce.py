@@ -38,8 +38,8 @@ GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "multi
               "tensile_authors", "streamed_cost", "tensile_streamed"]
 # Inception-v4 at the TENSILE authors' memory saving: the sweep keeps four groups' Adam state on
 # the device, where this job cannot reach the saving; with fc's group alone resident it met the
-# target in 13 of 14 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md
-# and results/h200/README.md, fifty-fourth to sixty-third sessions).
+# target in 15 of 16 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md
+# and results/h200/README.md, fifty-fourth to sixty-fourth sessions).
 TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experiment.stream_optimizer=16",
                       "experiment.stream_resident=1"]
 # DenseNet-121 at the TENSILE authors' memory saving, recomputation only: the sweep's search
@@ -47,7 +47,9 @@ TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experimen
 # and 1 copy-in end 0-0.02 ms before the ops that wait on them; on an H100 it ran 0.29-0.38 ms
 # over its price (EOR 0.081-0.087 against a limit of 0.082: met in 1 of 3 runs), where the
 # swap-free plan ran -0.01 and +0.16 ms from its price and met in 2 of 2, at EOR 0.077 and 0.081
-# (results/h100-80gb-hbm3/README.md, sixty-third session).
+# (results/h100-80gb-hbm3/README.md, sixty-third session). Since then the swap plan met in 1
+# of 4 runs there and swap-free plans (this, or experiment.swap_copy_share=0.04) in 5 of 6
+# (sixty-fourth session).
 TENSILE_AUTHORS_DENSENET = ["+sweep=tensile_authors", "model=densenet121", "experiment.stream_optimizer=0",
                             "experiment.allow_swaps=false"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
