@@ -38,8 +38,8 @@ GPU_SWEEPS = ["paper_inference", "inference_b32", "multistream_ablation", "multi
               "tensile_authors", "streamed_cost", "tensile_streamed"]
 # Inception-v4 at the TENSILE authors' memory saving: the sweep keeps four groups' Adam state on
 # the device, where this job cannot reach the saving; with fc's group alone resident it met the
-# target in 15 of 16 runs on an H100 and 1 of 2 on the H200 (results/h100-80gb-hbm3/README.md
-# and results/h200/README.md, fifty-fourth to sixty-fourth sessions).
+# target in 15 of 16 runs on an H100 and 4 of 5 on the H200 (results/h100-80gb-hbm3/README.md
+# and results/h200/README.md, fifty-fourth to sixty-fifth sessions).
 TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experiment.stream_optimizer=16",
                       "experiment.stream_resident=1"]
 # DenseNet-121 at the TENSILE authors' memory saving, recomputation only: the sweep's search
@@ -49,7 +49,8 @@ TENSILE_AUTHORS_V4 = ["+sweep=tensile_authors", "model=inception_v4", "experimen
 # swap-free plan ran -0.01 and +0.16 ms from its price and met in 2 of 2, at EOR 0.077 and 0.081
 # (results/h100-80gb-hbm3/README.md, sixty-third session). Since then the swap plan met in 1
 # of 4 runs there and swap-free plans (this, or experiment.swap_copy_share=0.04) in 5 of 6
-# (sixty-fourth session).
+# (sixty-fourth session). On the H200 (sixty-fifth) this met in 3 of 3 runs (EOR 0.075-0.080)
+# and the swap plan, run once, missed (0.083).
 TENSILE_AUTHORS_DENSENET = ["+sweep=tensile_authors", "model=densenet121", "experiment.stream_optimizer=0",
                             "experiment.allow_swaps=false"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
@@ -88,7 +89,8 @@ TENSILE_MULTI_VGG = ["--scenario", "copies", "--models", "vgg16", "--copies", "2
 # 0.037) and x3 in 2 of 2 (0.435 and 0.432 at 0.039 and 0.047), where the same command without
 # them, in the same calls, gave 0.430-0.431 at 0.064-0.075 and 0.425-0.428 at 0.058-0.072;
 # on two more H100 machines (sixty-second) x2 met in 3 of 3 and x3 in 2 of 2 with them
-# (results/h100-80gb-hbm3/README.md). Not yet run on the H200.
+# (results/h100-80gb-hbm3/README.md). On the H200 (sixty-fifth) x2 met in 2 of 2 and x3 in 2 of 3
+# (results/h200/README.md).
 TENSILE_MULTI_V4 = ["--scenario", "copies", "--models", "inception_v4", "--copies", "2,3", "--batch", "2",
                     "--captured", "--stream-optimizer", "16", "--stream-prefetch", "1",
                     "--stream-resident", "9", "--budget-share", "0.83", "--bn-from-stats",
