@@ -156,6 +156,11 @@ def validate(cfg, models: dict) -> None:
     if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not sc > 0):
         raise ConfigError(f"experiment.stream_chunk_mb must be MiB > 0 (the most parameter bytes "
                           f"one optimizer update call takes) or null, got {sc!r}")
+    dw = exp.get("defer_wgrad_mb")
+    if dw is not None and (not isinstance(dw, (int, float)) or isinstance(dw, bool) or not dw >= 0):
+        raise ConfigError(f"experiment.defer_wgrad_mb must be MiB >= 0 (linear layers with a weight "
+                          f"at least that large make its gradient at backward's end) or null, "
+                          f"got {dw!r}")
     for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot",
                  "time_captured_copies"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
@@ -334,14 +339,25 @@ def method_label(name: str, exp) -> str:
             knobs.append("count_workspaces=false")
         if name == "tensile_graph" and exp.get("time_captured_copies", False):
             knobs.append("time_copies")
-        knobs += stream_knobs(name, exp) + record_knobs(name, exp)
+        knobs += stream_knobs(name, exp) + defer_knobs(name, exp) + record_knobs(name, exp)
         return f"{name}({','.join(knobs)})" if knobs else name
     recorded = record_knobs(name, exp)       # vdnn, capuchin: their only knob
     if recorded:
         return f"{name}({','.join(recorded)})"
     if name == "streamed_graph":
-        return f"{name}({','.join(stream_knobs(name, exp))})"
+        return f"{name}({','.join(stream_knobs(name, exp) + defer_knobs(name, exp))})"
     return name
+
+
+def defer_opts(name: str, exp) -> dict[str, float]:
+    """``defer_wgrad_mb`` for a method that takes it (tensile_graph, streamed_graph), if set."""
+    dw = exp.get("defer_wgrad_mb")
+    return {"defer_wgrad_mb": float(dw)} if name in STREAMED and dw is not None else {}
+
+
+def defer_knobs(name: str, exp) -> list[str]:
+    """How a label names ``defer_wgrad_mb`` (``defer_wgrad=64``), where the method takes it."""
+    return [f"defer_wgrad={v:g}" for v in defer_opts(name, exp).values()]
 
 
 def _resident(exp) -> int | str:
@@ -781,7 +797,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
     if name == "compile_budget":
         return {"activation_memory_budget": float(exp.activation_memory_budget)}
     if name == "streamed_graph":
-        return stream_opts(exp)
+        return {**stream_opts(exp), **defer_opts(name, exp)}
     if name in RATED:
         opts: dict[str, Any] = {"simulate": device != "cuda", **rates}
         if name == "capuchin" and budget is None:
@@ -794,6 +810,7 @@ def _method_opts(name: str, exp, device: str, fraction: float | None,
             opts["budget"] = budget
         if name in STREAMED and exp.get("stream_optimizer", 0):
             opts.update(stream_opts(exp))
+        opts.update(defer_opts(name, exp))
         if name in SCHEDULED and exp.get("record_batches"):
             opts["record_batches"] = tuple(int(b) for b in exp.record_batches)
         if name in PLANNED and exp.get("max_overhead", 0.0):

@@ -31,7 +31,9 @@ Methods (issue 6's baselines, measured in the same runs as TENSILE):
   copied in ahead; ``stream_resident``: its first groups whose state stays on the device, or
   ``"auto"``: chosen by :func:`tensile.tune_resident` within ``stream_overhead`` of the step,
   for ``stream_jobs`` jobs sharing the link; ``stream_chunk_mb``: each update on at most that
-  many MiB of parameters at a time); ``time_copies=True``: timing events around
+  many MiB of parameters at a time); ``defer_wgrad_mb``: the weight gradients of linear
+  layers of at least that many MiB made at backward's end (:func:`tensile.defer_weight_grads`;
+  also ``streamed_graph``'s); ``time_copies=True``: timing events around
   the graph's copies (the row's ``*_gbps_captured``; they slow each wait for a copy, see
   ``Scheduler.capture``);
 * ``streamed_graph``: the vanilla step captured with :func:`tensile.stream_optimizer`
@@ -62,6 +64,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from .api import Scheduler, gb_per_s
 from .graph import GraphStep
+from .defer import defer_weight_grads
 from .policies import POLICIES
 from .planner import CAPTURED_SWAP_COST_MS
 from .step import training_step
@@ -339,12 +342,14 @@ def _graph(model, optimizer, loss_fn, example_batch) -> StepFn:
 def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimizer: int = 16,
                     stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int | str = 0,
                     stream_overhead: float = DEFAULT_STREAM_OVERHEAD, stream_jobs: int = 1,
-                    stream_chunk_mb: float | None = None) -> StepFn:
+                    stream_chunk_mb: float | None = None,
+                    defer_wgrad_mb: float | None = None) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
     if device.type != "cuda":   # said before the optimizer is changed
         raise ValueError(f"streamed_graph captures a CUDA graph: it needs a CUDA model (model on {device})")
+    _defer(model, defer_wgrad_mb)
     streamed = install_streamed(model, optimizer, example_batch, loss_fn, groups=stream_optimizer,
                                 prefetch=stream_prefetch, resident=stream_resident,
                                 max_overhead=stream_overhead, jobs=stream_jobs,
@@ -358,11 +363,13 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
                    stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
                    stream_jobs: int = 1, stream_chunk_mb: float | None = None,
-                   time_copies: bool = False, **scheduler_kwargs) -> StepFn:
+                   defer_wgrad_mb: float | None = None, time_copies: bool = False,
+                   **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
         raise ValueError(f"tensile_graph captures a CUDA graph: it needs a CUDA model and no "
                          f"simulation (model on {device}, simulate={simulate})")
+    _defer(model, defer_wgrad_mb)
     scheduler_kwargs.setdefault("allow_cross_iteration", False)  # a graph keeps their addresses
     scheduler_kwargs.setdefault("swap_cost_ms", CAPTURED_SWAP_COST_MS)  # its joins, per swap
     if stream_optimizer:   # the update in backward, state streamed from the host (groups)
@@ -398,6 +405,13 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                 "capture_s": _seconds(sched.capture_s[-1]),
                 **(_stream_stats(streamed) if stream_optimizer else {})}
     return StepFn("tensile_graph", lambda b: graph(*b), stats, sched.snapshot)
+
+
+def _defer(model: nn.Module, min_mb: float | None) -> None:
+    """``defer_wgrad_mb``: large linear layers' weight gradients at backward's end
+    (:func:`tensile.defer_weight_grads`); None: not."""
+    if min_mb is not None:
+        defer_weight_grads(model, min_mb=min_mb)
 
 
 def _stream_stats(streamed) -> dict:

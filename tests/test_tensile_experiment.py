@@ -412,6 +412,9 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.stream_optimizer=4", "experiment.stream_chunk_mb=0"],
      r"stream_chunk_mb must be MiB > 0 \(the most parameter bytes one optimizer update call "
      r"takes\) or null, got 0"),
+    (["experiment.defer_wgrad_mb=-1"],
+     r"defer_wgrad_mb must be MiB >= 0 \(linear layers with a weight at least that large .*\) or "
+     r"null, got -1"),
     (["experiment.match_peak=checkpoint"],
      r"match_peak='checkpoint' plans tensile_graph to that method's peak: add tensile_graph"),
     (["experiment.match_peak=tensile_graph", "experiment.methods=[vanilla,tensile_graph]"],
@@ -683,6 +686,18 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
         "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=auto,stream_overhead=0.1)"
     opts = tensile_run._method_opts("streamed_graph", auto, "cuda", None, None, {})
     assert opts["stream_resident"] == "auto" and opts["stream_overhead"] == 0.1
+    # deferred weight gradients (tensile.defer_weight_grads): named, and passed on, where taken
+    dw = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                   "experiment.defer_wgrad_mb=64"]).experiment
+    assert tensile_run.method_label("tensile_graph", dw) == \
+        "tensile_graph(stream_optimizer=16,stream_prefetch=2,defer_wgrad=64)"
+    assert tensile_run.method_label("streamed_graph", dw) == \
+        "streamed_graph(stream_optimizer=16,stream_prefetch=2,defer_wgrad=64)"
+    assert tensile_run._method_opts("tensile_graph", dw, "cuda", None, None, {})["defer_wgrad_mb"] == 64.0
+    assert tensile_run._method_opts("streamed_graph", dw, "cuda", None, None, {})["defer_wgrad_mb"] == 64.0
+    assert "defer_wgrad_mb" not in tensile_run._method_opts("tensile", dw, "cpu", None, None, {})
+    assert tensile_run.method_label("tensile", dw) == "tensile"
+    assert "defer_wgrad_mb" not in tensile_run._method_opts("tensile_graph", auto, "cuda", None, None, {})
     exp = _compose(["experiment=tensile", "experiment.memory_fraction=0.25",
                     "experiment.cap_setup=false"]).experiment
     assert tensile_run.setting(exp) == "whole-step,memfrac=0.25,uncapped-setup"
