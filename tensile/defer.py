@@ -53,6 +53,7 @@ class DeferredWeightGrads:
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = \
         field(default_factory=list, repr=False)
+    _task: int | None = field(default=None, repr=False)   # the backward _pending belongs to
 
     def remove(self) -> None:
         """The layers' own forward back; gradients still pending are made first."""
@@ -63,19 +64,23 @@ class DeferredWeightGrads:
 
     def flush(self) -> None:
         """Make the pending weight gradients now (the end-of-backward callback calls it)."""
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._task = self._pending, [], None
         for weight, grad_out, inp in pending:
-            grad = grad_out.t().mm(inp)   # autograd's product for linear's weight gradient
-            if weight.grad is None:
-                weight.grad = grad
-            else:
-                weight.grad.add_(grad)
+            with torch.no_grad():   # the engine runs callbacks in backward()'s caller's grad mode
+                grad = grad_out.t().mm(inp)   # autograd's product for linear's weight gradient
+                if weight.grad is None:
+                    weight.grad = grad
+                else:
+                    weight.grad.add_(grad)
             for hook in (getattr(weight, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(weight)
             self.deferred += 1
 
     def _defer(self, weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
-        if not self._pending:   # the first this backward: one callback makes them all
+        task = torch._C._current_graph_task_id()
+        if task != self._task:   # the first this backward: one callback makes them all
+            # what a backward that failed before its end left is not this one's
+            self._pending, self._task = [], task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         self._pending.append((weight, grad_out, inp))
 

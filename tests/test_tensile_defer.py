@@ -172,3 +172,25 @@ def test_bad_input_is_refused():
     model[6].weight.register_hook(lambda g: g)
     with pytest.raises(ValueError, match=r"register_hook"):
         tensile.defer_weight_grads(model, min_mb=0)
+
+
+def test_a_backward_that_fails_leaves_nothing_for_the_next_one():
+    """A backward that raises after a deferred layer's node ran never reaches its end: the
+    next backward makes only its own gradients, as autograd would."""
+    model, ref = make_model(), make_model()
+    handle = tensile.defer_weight_grads(model, min_mb=0)
+    x, y = batches(1)[0]
+
+    def fail(grad):
+        raise RuntimeError("boom")
+    h = model[0].weight.register_hook(fail)      # the first layer's: after the head's nodes
+    with pytest.raises(RuntimeError, match="boom"):
+        LOSS(model(x), y).backward()
+    h.remove()
+    for p in model.parameters():
+        p.grad = None
+    LOSS(model(x), y).backward()
+    LOSS(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    assert handle.deferred == 2
