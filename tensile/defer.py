@@ -28,9 +28,11 @@ and then runs the weight's post-accumulate-grad hooks, which is how a streamed o
 that the gradient is there. So an optimizer stepped after ``backward()`` sees every gradient,
 and a streamed one updates the layer's group last. Only two-dimensional inputs are deferred
 (a classifier head); a layer called on other inputs, on an input that needs no gradient,
-without gradients, or with its weight frozen runs as usual. Not for code that reads a deferred weight's gradient during backward,
-or that hooks it with ``Tensor.register_hook`` (refused when the handle is made: such a hook
-would not run).
+without gradients, or with its weight frozen runs as usual. Not for code that reads a
+deferred weight's gradient during backward, or that hooks it with ``Tensor.register_hook``
+(refused when the handle is made: such a hook would not run), nor for ``torch.autograd.grad``
+through such a layer: a backward with ``create_graph=True`` is refused, and without it the
+weight's ``.grad`` still gets its gradient, which ``torch.autograd.grad`` would not give it.
 """
 from __future__ import annotations
 
@@ -138,6 +140,10 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():   # create_graph=True: the deferred product has no graph
+            raise RuntimeError("tensile.defer_weight_grads: a backward with create_graph=True (a "
+                               "double backward, a gradient penalty) through a deferred layer is "
+                               "not supported; remove() the handle for such steps")
         x, weight = ctx.saved_tensors
         grad_x = grad_out.mm(weight) if ctx.needs_input_grad[0] else None
         grad_b = grad_out.sum(0) if ctx.needs_input_grad[2] else None

@@ -194,3 +194,12 @@ def test_a_backward_that_fails_leaves_nothing_for_the_next_one():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
     assert handle.deferred == 2
+
+
+def test_a_backward_that_builds_a_graph_through_a_deferred_layer_is_refused():
+    model = make_model()
+    tensile.defer_weight_grads(model, min_mb=0)
+    x, y = batches(1)[0]
+    x.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"create_graph=True .* not supported; remove\(\) the handle"):
+        torch.autograd.grad(LOSS(model(x), y), x, create_graph=True)
