@@ -58,8 +58,9 @@ class DeferredWeightGrads:
     _task: int | None = field(default=None, repr=False)   # the backward _pending belongs to
 
     def remove(self) -> None:
-        """The layers' own forward back; gradients still pending are made first."""
-        self.flush()
+        """The layers' own forward back. Call it between steps: what is pending then was left
+        by a backward that failed before its end, and is dropped."""
+        self._pending, self._task = [], None
         for m in self._modules:
             del m.forward   # the instance attribute: the class's forward again
         self._modules = []

@@ -194,6 +194,13 @@ def test_a_backward_that_fails_leaves_nothing_for_the_next_one():
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
     assert handle.deferred == 2
+    with pytest.raises(RuntimeError, match="boom"):    # and remove() drops what it left
+        h = model[0].weight.register_hook(fail)
+        LOSS(model(x), y).backward()
+    h.remove()
+    before = [p.grad.clone() for p in model.parameters()]
+    handle.remove()
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
 
 
 def test_a_backward_that_builds_a_graph_through_a_deferred_layer_is_refused():
