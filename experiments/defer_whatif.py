@@ -66,9 +66,7 @@ def report(snap: PlanningSnapshot, tl: AccessTimeline, search: bool) -> dict:
     """Unplanned peak, what it holds, the plan's peak and price, and the floor, on ``tl``."""
     vanilla = simulate(tl, None)
     options = {**(snap.options or {}), **({"swap_search": "always"} if search else {})}
-    plan = snap.replan(**options) if tl is snap.timeline else \
-        PlanningSnapshot(tl, snap.budget_bytes, snap.d2h_bw, snap.h2d_bw, snap.copy_latency_ms,
-                         snap.min_bytes, snap.plan, snap.meta, snap.options).replan(**options)
+    plan = replace(snap, timeline=tl).replan(**options)
     bound = extra_time_bound(tl, snap.budget_bytes, d2h_bw=snap.d2h_bw, h2d_bw=snap.h2d_bw,
                              min_bytes=snap.min_bytes, copy_latency_ms=snap.copy_latency_ms,
                              swap_cost_ms=options.get("swap_cost_ms", 0.0),

@@ -9,8 +9,9 @@ can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
 (:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
 (:mod:`tensile.resident`); ``defer_weight_grads`` makes large linear layers' weight gradients
-at the end of backward, off the peak at its start (:mod:`tensile.defer`). A job too large to run one step unplanned is recorded at small
-batches and scaled (:mod:`tensile.scale`, ``Scheduler(..., record_batches=...)``).
+at the end of backward, off the peak at its start (:mod:`tensile.defer`). A job too large to
+run one step unplanned is recorded at small batches and scaled (:mod:`tensile.scale`,
+``Scheduler(..., record_batches=...)``).
 ``trim_stack`` gives back the thread-stack memory a CUDA context reserves and never uses
 (:mod:`tensile.stack`); ``compact`` allocates a job's long-lived tensors again side by side
 so that the holes its first step left go back (:mod:`tensile.compact`);

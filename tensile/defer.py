@@ -111,10 +111,9 @@ def defer_weight_grads(model: nn.Module, min_mb: float = 64.0) -> DeferredWeight
         if m.weight._backward_hooks:
             raise ValueError(f"layer {name!r}: its weight has a Tensor.register_hook hook, which a "
                              f"deferred gradient would not run")
-    handle = DeferredWeightGrads(layers=[n for n, _ in chosen])
-    for _, m in chosen:
+    handle = DeferredWeightGrads(layers=[n for n, _ in chosen], _modules=[m for _, m in chosen])
+    for m in handle._modules:
         m.forward = _deferred_forward(m, handle)
-        handle._modules.append(m)
     return handle
 
 
