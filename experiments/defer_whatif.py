@@ -11,6 +11,12 @@ search of ``swap_search: always``). It prints each one's unplanned peak, what is
 the plan's peak and price, and the least any plan could be priced at (``tensile.bound``): the
 planner's cost model, not a measurement. The step measured on the GPU with
 ``experiment.defer_wgrad_mb`` is the test of it.
+
+A snapshot whose timeline records no op workspaces (``scratch``: recorded before they were
+counted, or with ``count_workspaces=false``) understates every peak by them, and they can
+decide it: VGG-16's first conv backward takes 394 MiB of cuDNN workspace at batch 16 on an
+H100. The command says so before its figures; on VGG-16's H200 snapshot of 2026-12-04 it
+found a plan that fits, which the GPU then could not (66th session, results/h100-80gb-hbm3).
 """
 from __future__ import annotations
 
@@ -23,6 +29,9 @@ from tensile.snapshot import PlanningSnapshot
 from tensile.timeline import AccessTimeline
 
 MIB = 2**20
+NO_WORKSPACES = ("note: this snapshot records no op workspaces (made before they were counted, or "
+                 "with count_workspaces=false): every peak below leaves them out, and a plan "
+                 "that fits here may not fit on the GPU")
 
 
 def move_to_end(tl: AccessTimeline, ops: list[int]) -> AccessTimeline:
@@ -87,6 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     snap = PlanningSnapshot.load(args.snapshot)
     moved = move_to_end(snap.timeline, parse_ops(args.ops))
     print(f"budget {snap.budget_bytes / MIB:.1f} MiB; {snap.meta.get('model')} b={snap.meta.get('batch_size')}")
+    if not snap.timeline.scratch:
+        print(NO_WORKSPACES)
     for name, tl in (("as recorded", snap.timeline), (f"ops {args.ops} last", moved)):
         r = report(snap, tl, args.search)
         floor = "none reaches the budget" if r["floor_ms"] is None else f"{r['floor_ms']:.3f} ms"

@@ -289,6 +289,17 @@ def kernels_table(path: Path) -> pd.DataFrame | None:
                                 "busy_share", "costliest kernel", "commit"])
 
 
+def conv_workspace_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``conv_workspace.csv`` (last per model, batch, layer and cap), or None."""
+    keys = ["model", "batch_size", "layer", "cap_mb"]
+    df = _latest_rows(path, keys)
+    if df is None:
+        return None
+    df["cap_mb"] = df["cap_mb"].map(lambda c: "none" if pd.isna(c) else f"{c:g}")
+    return _columns(df, keys + ["layer_name", "input_shape", "status", "bwd_median_ms",
+                                "bwd_p10_ms", "bwd_p90_ms", "workspace_mb", "commit"])
+
+
 def join_cost_tables(gpu_dir: Path) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """The rows of ``join_cost.csv`` and of the older ``join_cost_at_<commit>*.csv`` (written
     before the ``side`` column: all side=copy), last per chain setting, and of
@@ -1784,6 +1795,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     streams = _read_csv(results_dir / "analysis" / "streams.csv")
     headroom = headroom_table(gpu_dir / "headroom.csv")
     kernels = kernels_table(gpu_dir / "kernels.csv")
+    conv_ws = conv_workspace_table(gpu_dir / "conv_workspace.csv")
 
     n_smoke = int(df["smoke"].sum())
     md = [f"# Reproduction report: {gpu_dir.name}", "",
@@ -2075,6 +2087,14 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "schedule).", "",
                md_table(kernels), "", "![kernel_census.png](kernel_census.png)", ""]
         figures["kernel_census.png"] = plot_kernel_census(kernels)
+
+    if conv_ws is not None:
+        md += ["## A convolution's backward under a cuDNN workspace cap", "",
+               "`python -m experiments.conv_workspace`: the layer's first backward may reserve "
+               "only its operands, its gradients and the cap (MiB; none: no cap), so PyTorch "
+               "keeps the fastest cuDNN plan that fits; then it is timed without the limit. "
+               "workspace_mb = that backward's peak above its operands and gradients.", "",
+               md_table(conv_ws), ""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

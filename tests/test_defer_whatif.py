@@ -1,6 +1,8 @@
 """experiments.defer_whatif: a recorded step with a layer's weight-gradient ops moved to its end."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import tensile
@@ -53,6 +55,20 @@ def test_the_command_plans_both_steps_from_a_snapshot(tmp_path, capsys):
     path = snap.save(tmp_path / "snap.json.gz")
     defer_whatif.main([str(path), "--ops", "1-3"])
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "budget 10.0 MiB; toy b=2"
-    assert out[1].startswith("as recorded: unplanned peak 16 MiB at adam")
-    assert out[2].startswith("ops 1-3 last: unplanned peak 8 MiB at conv") and "(fits), priced 0.000 ms" in out[2]
+    assert out[0] == "budget 10.0 MiB; toy b=2" and out[1] == defer_whatif.NO_WORKSPACES
+    assert out[2].startswith("as recorded: unplanned peak 16 MiB at adam")
+    assert out[3].startswith("ops 1-3 last: unplanned peak 8 MiB at conv") and "(fits), priced 0.000 ms" in out[3]
+
+
+def test_a_snapshot_without_workspaces_is_said_to_understate_its_peaks(tmp_path, capsys):
+    """A timeline with no op workspaces leaves cuDNN's out of every peak: the command says so
+    first, and says nothing of it where the timeline has them."""
+    for scratch, noted in (({}, True), ({4: 2 * MIB}, False)):
+        tl = replace(step(), scratch=scratch)
+        plan = tensile.plan(tl, budget_bytes=12 * MIB, d2h_bw=1e9, h2d_bw=1e9)
+        snap = tensile.PlanningSnapshot(tl, 12 * MIB, 1e9, 1e9, 0.0, 1, plan, {"model": "toy", "batch_size": 2},
+                                        {"allow_swaps": True})
+        defer_whatif.main([str(snap.save(tmp_path / f"snap{noted}.json.gz")), "--ops", "1-3"])
+        out = capsys.readouterr().out.splitlines()
+        assert (out[1] == defer_whatif.NO_WORKSPACES) is noted
+        assert out[-1].startswith("ops 1-3 last: unplanned peak")

@@ -1079,3 +1079,19 @@ def test_a_commit_that_looks_like_a_number_stays_text(tmp_path):
     path.write_text("model,commit\nresnet50,3e52123\nvgg16,1234567\n")
     assert report._read_csv(path)["commit"].tolist() == ["3e52123", "1234567"]
     assert report._read_csv(tmp_path / "missing.csv") is None
+
+
+def test_conv_workspace_rows_get_their_own_section_last_per_cap_winning(results):
+    path = results / "h200" / "conv_workspace.csv"
+    row = dict(model="vgg16", batch_size=16, layer=1, layer_name="features.2",
+               input_shape="16x64x224x224", cap_mb=None, status="ok", bwd_median_ms=1.9,
+               bwd_p10_ms=1.8, bwd_p90_ms=2.0, workspace_mb=394.0, commit="0df895a")
+    capped = dict(row, cap_mb=32.0, bwd_median_ms=6.3, bwd_p10_ms=6.2, bwd_p90_ms=6.4, workspace_mb=0.0)
+    newer = dict(row, bwd_median_ms=1.78)
+    pd.DataFrame([row, capped, newer]).to_csv(path, index=False)
+    table = report.conv_workspace_table(path)
+    assert list(table["cap_mb"]) == ["32", "none"]     # no cap last
+    assert list(table["bwd_median_ms"]) == [6.3, 1.78]
+    text = report.write_report(results / "h200", results).read_text()
+    assert "## A convolution's backward under a cuDNN workspace cap" in text
+    assert "| vgg16 | 16 | 1 | none | features.2 | 16x64x224x224 | ok | 1.78 |" in text
