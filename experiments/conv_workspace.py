@@ -7,10 +7,13 @@ cuDNN's (pytorch/pytorch#49207), and cuDNN's own ``CUDNN_CONV_WSCAP_DBG`` is not
 PyTorch's default (cuDNN v8 API) path. Under ``cudnn.benchmark`` PyTorch times every plan and
 runs the fastest whose workspace it can allocate, trying the next when the allocation fails.
 This experiment uses that: per cap it runs the layer's first backward in a fresh process
-whose caching allocator may reserve only what the step already holds plus the output
-gradients and the cap (``torch.cuda.set_per_process_memory_fraction``), lifts the limit,
-and times the plan PyTorch kept (CUDA events, warm-up, ``--iters`` calls). ``workspace_mb``
-is the backward's peak above its operands and the gradients it returns.
+whose caching allocator may reserve only what the layer already holds plus its gradients
+and the cap (``torch.cuda.set_per_process_memory_fraction``), lifts the limit, and times the
+plan PyTorch kept (CUDA events, warm-up, ``--iters`` calls). The cap bounds new
+reservations: room free inside segments already reserved comes on top, so a plan may take
+somewhat more, and the plan kept is the first PyTorch could allocate, not always the
+fastest of those within the cap. ``workspace_mb`` is the backward's peak above its operands
+and the gradients it returns.
 
 By default the layer is the model's conv whose backward takes the most workspace (measured
 first, in this process, without a cap); ``--layers`` names others by index. Rows go to

@@ -7,8 +7,8 @@ A planning snapshot (:class:`tensile.PlanningSnapshot`) holds the step TENSILE p
 H200 snapshot at batch 16: 95-113, fc6's product, bias sum and streamed Adam update); this
 moves them to the end of the step, where :func:`tensile.defer_weight_grads` puts them, and
 plans both timelines to the snapshot's budget with its options (and ``--search``: the swap
-search of ``swap_search: always``). It prints each one's unplanned peak, what is held there,
-the plan's peak and price, and the least any plan could be priced at (``tensile.bound``): the
+search of ``swap_search: always``). It prints each one's unplanned peak and the plan's, what
+is held at each, the plan's price, and the least any plan could be priced at (``tensile.bound``): the
 planner's cost model, not a measurement. The step measured on the GPU with
 ``experiment.defer_wgrad_mb`` is the test of it.
 
@@ -72,17 +72,20 @@ def parse_ops(spec: str) -> list[int]:
 
 
 def report(snap: PlanningSnapshot, tl: AccessTimeline, search: bool) -> dict:
-    """Unplanned peak, what it holds, the plan's peak and price, and the floor, on ``tl``."""
+    """Unplanned peak and the plan's, what each holds, the plan's price, and the floor, on ``tl``."""
     vanilla = simulate(tl, None)
     options = {**(snap.options or {}), **({"swap_search": "always"} if search else {})}
     plan = replace(snap, timeline=tl).replan(**options)
+    planned = simulate(tl, plan)
     bound = extra_time_bound(tl, snap.budget_bytes, d2h_bw=snap.d2h_bw, h2d_bw=snap.h2d_bw,
                              min_bytes=snap.min_bytes, copy_latency_ms=snap.copy_latency_ms,
                              swap_cost_ms=options.get("swap_cost_ms", 0.0),
                              swap_copy_share=options.get("swap_copy_share", 0.0))
     return {"peak_mib": vanilla.peak / MIB, "peak_op": tl.names[vanilla.peak_op],
             "held_mib": {k: round(v / MIB) for k, v in held_at(tl, None, vanilla.peak_op).items() if v},
-            "plan_peak_mib": simulate(tl, plan).peak / MIB, "feasible": plan.feasible,
+            "plan_peak_mib": planned.peak / MIB, "plan_peak_op": tl.names[planned.peak_op],
+            "plan_held_mib": {k: round(v / MIB) for k, v in held_at(tl, plan, planned.peak_op).items() if v},
+            "feasible": plan.feasible,
             "priced_ms": plan.est_overhead_ms, "swaps": len(plan.swaps),
             "recomputes": len(plan.recomputes), "floor_ms": bound.extra_ms}
 
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         r = report(snap, tl, args.search)
         floor = "none reaches the budget" if r["floor_ms"] is None else f"{r['floor_ms']:.3f} ms"
         print(f"{name}: unplanned peak {r['peak_mib']:.0f} MiB at {r['peak_op']} {r['held_mib']}; "
-              f"plan {r['plan_peak_mib']:.0f} MiB ({'fits' if r['feasible'] else 'does not fit'}), "
+              f"plan {r['plan_peak_mib']:.0f} MiB at {r['plan_peak_op']} {r['plan_held_mib']} "
+              f"({'fits' if r['feasible'] else 'does not fit'}), "
               f"priced {r['priced_ms']:.3f} ms, {r['swaps']} swaps, {r['recomputes']} recomputes; "
               f"floor {floor}")
 

@@ -2092,8 +2092,10 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
         md += ["## A convolution's backward under a cuDNN workspace cap", "",
                "`python -m experiments.conv_workspace`: the layer's first backward may reserve "
                "only its operands, its gradients and the cap (MiB; none: no cap), so PyTorch "
-               "keeps the fastest cuDNN plan that fits; then it is timed without the limit. "
-               "workspace_mb = that backward's peak above its operands and gradients.", "",
+               "keeps the first of cuDNN's plans, fastest first, whose workspace it could "
+               "allocate; then it is timed without the limit. The cap bounds new reservations: "
+               "room free in segments already reserved comes on top. workspace_mb = that "
+               "backward's peak above its operands and gradients.", "",
                md_table(conv_ws), ""]
 
     if streams is not None:

@@ -58,6 +58,7 @@ def test_the_command_plans_both_steps_from_a_snapshot(tmp_path, capsys):
     assert out[0] == "budget 10.0 MiB; toy b=2" and out[1] == defer_whatif.NO_WORKSPACES
     assert out[2].startswith("as recorded: unplanned peak 16 MiB at adam")
     assert out[3].startswith("ops 1-3 last: unplanned peak 8 MiB at conv") and "(fits), priced 0.000 ms" in out[3]
+    assert "; plan 8 MiB at conv {'activation': 8} (fits)" in out[3]    # where the plan peaks, what it holds
 
 
 def test_a_snapshot_without_workspaces_is_said_to_understate_its_peaks(tmp_path, capsys):
