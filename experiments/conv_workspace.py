@@ -94,7 +94,7 @@ def conv_layers(model: torch.nn.Module, example: torch.Tensor) -> list[ConvLayer
 
 def _returned(conv: torch.nn.Conv2d, x: torch.Tensor) -> list[int]:
     """Bytes of each gradient a backward of ``conv`` on ``x`` returns."""
-    grads = [p for p in conv.parameters()] + ([x] if x.requires_grad else [])
+    grads = list(conv.parameters()) + ([x] if x.requires_grad else [])
     return [t.numel() * t.element_size() for t in grads]
 
 
@@ -121,10 +121,13 @@ def measure_layer(layer: ConvLayer, cap_mb: float | None, *, warmup: int = 20,
     returned = _returned(conv, x)
     torch.cuda.synchronize()
 
-    def backward() -> None:
+    def clear_grads() -> None:
         x.grad = None
         for p in conv.parameters():
             p.grad = None
+
+    def backward() -> None:
+        clear_grads()
         y.backward(grad_out, retain_graph=True)
 
     if cap_mb is not None:
@@ -134,15 +137,13 @@ def measure_layer(layer: ConvLayer, cap_mb: float | None, *, warmup: int = 20,
                  + int(cap_mb * MB))
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total))
     try:
-        backward()     # cuDNN's plans timed; the fastest that could allocate its workspace kept
+        backward()     # cuDNN's plans timed; the first, fastest first, whose workspace fits is kept
         torch.cuda.synchronize()
     except torch.OutOfMemoryError as exc:
         return {"status": "error", "reason": f"no plan ran under the cap: {str(exc)[:160]}"}
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    x.grad = None
-    for p in conv.parameters():
-        p.grad = None
+    clear_grads()
     operands = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     backward()

@@ -8,8 +8,8 @@ H200 snapshot at batch 16: 95-113, fc6's product, bias sum and streamed Adam upd
 moves them to the end of the step, where :func:`tensile.defer_weight_grads` puts them, and
 plans both timelines to the snapshot's budget with its options (and ``--search``: the swap
 search of ``swap_search: always``). It prints each one's unplanned peak and the plan's, what
-is held at each, the plan's price, and the least any plan could be priced at (``tensile.bound``): the
-planner's cost model, not a measurement. The step measured on the GPU with
+is held at each, the plan's price, and the least any plan could be priced at
+(``tensile.bound``): the planner's cost model, not a measurement. The step measured on the GPU with
 ``experiment.defer_wgrad_mb`` is the test of it.
 
 A snapshot whose timeline records no op workspaces (``scratch``: recorded before they were
@@ -71,6 +71,11 @@ def parse_ops(spec: str) -> list[int]:
     return out
 
 
+def _held_mib(tl: AccessTimeline, plan, op: int) -> dict[str, int]:
+    """What ``tl`` holds during ``op`` under ``plan`` (None: unplanned), by role, in whole MiB."""
+    return {role: round(b / MIB) for role, b in held_at(tl, plan, op).items() if b}
+
+
 def report(snap: PlanningSnapshot, tl: AccessTimeline, search: bool) -> dict:
     """Unplanned peak and the plan's, what each holds, the plan's price, and the floor, on ``tl``."""
     vanilla = simulate(tl, None)
@@ -82,9 +87,9 @@ def report(snap: PlanningSnapshot, tl: AccessTimeline, search: bool) -> dict:
                              swap_cost_ms=options.get("swap_cost_ms", 0.0),
                              swap_copy_share=options.get("swap_copy_share", 0.0))
     return {"peak_mib": vanilla.peak / MIB, "peak_op": tl.names[vanilla.peak_op],
-            "held_mib": {k: round(v / MIB) for k, v in held_at(tl, None, vanilla.peak_op).items() if v},
+            "held_mib": _held_mib(tl, None, vanilla.peak_op),
             "plan_peak_mib": planned.peak / MIB, "plan_peak_op": tl.names[planned.peak_op],
-            "plan_held_mib": {k: round(v / MIB) for k, v in held_at(tl, plan, planned.peak_op).items() if v},
+            "plan_held_mib": _held_mib(tl, plan, planned.peak_op),
             "feasible": plan.feasible,
             "priced_ms": plan.est_overhead_ms, "swaps": len(plan.swaps),
             "recomputes": len(plan.recomputes), "floor_ms": bound.extra_ms}
