@@ -239,6 +239,10 @@ def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recomput
     parts = [(label, held[role]) for role, label in _HELD_LABELS.items()]
     parts.append(("other", sum(b for role, b in held.items() if role not in _HELD_LABELS)))
     shown = ", ".join(f"{label} {size(b)}" for label, b in parts if b)
+    # an op's workspace is part of the op: no plan moves it (a slower library plan with a
+    # smaller one is the only way down, experiments.conv_workspace measures it for a conv)
+    fixed = (f" Its workspaces ({size(held['workspace'])}) are the op's own: no plan moves them."
+             if held.get("workspace") else "")
     ways = ["a larger budget"]   # what could meet it
     if not allow_recompute:
         ways.append("recomputation (allow_recompute=True)")
@@ -247,7 +251,7 @@ def unmet_budget_message(timeline: AccessTimeline, plan: Plan, *, allow_recomput
     return (f"tensile: no plan meets the budget of {size(plan.budget_bytes)}; the best peaks at "
             f"{size(sim.peak)} ({size(plan.peak_before)} without a plan) during op {k} "
             f"({base_name(timeline.names[k])}, {timeline.phases[k]}), which holds "
-            f"{shown or 'nothing'}. Training goes on under that plan, above the budget. "
+            f"{shown or 'nothing'}.{fixed} Training goes on under that plan, above the budget. "
             f"Consider {', or '.join(ways)}.")
 
 

@@ -946,3 +946,16 @@ def test_a_rebuild_reads_an_activation_swapped_back_in_for_it_and_trains_bit_ide
         states.append(state_tensors(model, opt))
     for a, b in zip(*states):
         assert torch.equal(a, b)
+
+
+def test_a_missed_budget_says_the_peak_ops_workspace_is_its_own():
+    """A peak set by an op's workspace: the warning says no plan moves that part, and says
+    nothing of it where the peak op has none."""
+    mib = 2**20
+    ops = [("conv", "forward", 1.0, [], [1]), ("conv_backward", "backward", 1.0, [1], [2])]
+    for scratch, said in (({1: 6 * mib}, True), ({}, False)):
+        tl = tensile.AccessTimeline.from_ops(ops, {1: 4 * mib, 2: 4 * mib}, scratch=scratch)
+        plan = tensile.plan(tl, budget_bytes=2 * mib, d2h_bw=1e9, h2d_bw=1e9)
+        text = tensile.api.unmet_budget_message(tl, plan)
+        assert not plan.feasible and "during op 1 (conv_backward, backward)" in text
+        assert ("Its workspaces (6.0 MiB) are the op's own: no plan moves them." in text) is said
