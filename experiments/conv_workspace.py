@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -159,7 +158,7 @@ def _measure_in_child(layer: ConvLayer, cap_mb: float | None, iters: int) -> dic
     """:func:`measure_layer` in a fresh interpreter (its own cuDNN plan cache)."""
     spec = json.dumps({"layer": asdict(layer), "cap_mb": cap_mb, "iters": iters})
     proc = subprocess.run([sys.executable, "-m", "experiments.conv_workspace", "--child", spec],
-                          capture_output=True, text=True, cwd=REPO_ROOT, env=os.environ.copy())
+                          capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode != 0:
         return {"status": "error", "reason": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -965,6 +965,7 @@ def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
     model and batch's rebuild-only runs, over its copies' time; the median of the runs (what
     ``swap_copy_share`` would have priced; NaN without rebuild-only runs or recorded bytes).
     ``rows``: :func:`load_rows` with ``every_row``."""
+    from tensile.planner import swap_price_ms   # what swap_copy_share=1 prices: the copies' time
     runs = []
     for r, extra in _tensile_rows(rows):
         unplanned, priced = extra.get("captured_vanilla_ms"), extra.get("plan_overhead_ms")
@@ -974,7 +975,7 @@ def tensile_price_gap_table(rows: pd.DataFrame) -> pd.DataFrame:
         moved = extra.get("bytes_moved_per_step")   # unrecorded: not counted as nothing moved
         gbps = [extra.get("d2h_gbps"), extra.get("h2d_gbps")]
         copy_ms = (float("nan") if moved is None or not all(gbps)
-                   else moved / 2 * sum(1 / g for g in gbps) / 1e6)   # GB/s: bytes/us
+                   else swap_price_ms(moved / 2, *(g * 1e9 for g in gbps), swap_copy_share=1.0))
         runs.append({"model": r["model"], "batch": int(r["batch_size"]),
                      "plan": "swaps" if swaps else "rebuilds only",
                      "gap": r["mean_ms"] - unplanned - priced,

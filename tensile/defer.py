@@ -13,10 +13,11 @@ which backward needs next, comes from the weight and the output gradient alone. 
 backward's end, the two small tensors the weight gradient is made of (the layer's input and
 output gradient: 1.5 MiB and 0.25 MiB for VGG-16's fc6 at batch 16) stand in for it, and the
 gradient (and, with a streamed optimizer, its update) then lands where the activations are
-gone. On the H200 step of VGG-16 at batch 16, with fc6 and fc7 deferred, the peak TENSILE must
-shave falls from 3019 to 2642 MiB and the plan at the TENSILE authors' memory saving is priced
-0.73 ms instead of 2.60 (worked out offline on the committed snapshot by
-``python -m experiments.defer_whatif``, in the planner's cost model).
+gone. On VGG-16 at batch 16 on an H100, with fc6 and fc7 deferred, the unplanned peak TENSILE
+must shave fell from 3409 to 2684 MiB and the plan at the TENSILE authors' memory saving was
+priced 0.29 ms instead of 2.41, its step 0.148 over the captured vanilla step instead of 0.261.
+The plan's peak stayed at 2488 MiB, set by a convolution's backward near the step's end, which
+this does not touch (66th session, ``results/h100-80gb-hbm3/README.md``).
 
 How: each chosen layer's forward runs :class:`_DeferredLinear`, whose backward returns the
 input and bias gradients at once, keeps ``(input, output gradient)`` and queues one callback
