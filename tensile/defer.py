@@ -81,6 +81,13 @@ class DeferredWeightGrads:
             self.deferred += 1
 
     def _defer(self, weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor) -> None:
+        # A streamed optimizer that slices this weight (``slice_mb``) takes the gradient row
+        # slice by row slice, updating each over the rest of backward; the rows of the
+        # product are the product's rows, bit for bit (tests).
+        take = getattr(weight, "_tensile_rows", None)
+        if take is not None and take(weight, lambda r0, r1: grad_out[:, r0:r1].t().mm(inp)):
+            self.deferred += 1
+            return
         task = torch._C._current_graph_task_id()
         if task != self._task:   # the first this backward: one callback makes them all
             # what a backward that failed before its end left is not this one's

@@ -171,6 +171,9 @@ def tune_resident(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence
     and all groups finds the fewest resident groups that fit, each candidate timed the same
     way. It only ever keeps more groups than the replay chose. ``streamed.tuned`` records
     the choice, the replay's and the measured delays."""
+    if any(g.rows is not None for g in streamed.groups):
+        raise ValueError("tune_resident times whole groups: a streamed optimizer with slices "
+                         "(slice_mb) takes a number of resident groups instead")
     times = measure_update_times(streamed, model, batch, loss_fn)
     if h2d_bw is None or d2h_bw is None:
         d, h = measure_copy_bandwidth(streamed.device)
@@ -226,7 +229,8 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
                      loss_fn: Callable | None, *, groups: int, prefetch: int,
                      resident: int | str = 0, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
                      h2d_bw: float | None = None, d2h_bw: float | None = None,
-                     update_chunk_mb: float | None = None) -> StreamedOptimizer:
+                     update_chunk_mb: float | None = None,
+                     slice_mb: float | None = None) -> StreamedOptimizer:
     """:func:`tensile.stream_optimizer` with ``resident`` a number of groups, or ``"auto"``:
     then every group starts resident, one training step creates the optimizer's state
     (it trains: a warm-up step), and :func:`tune_resident` chooses within ``max_overhead``
@@ -234,7 +238,10 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if resident != AUTO:
         if isinstance(resident, str):
             raise ValueError(f"resident: expected a number of groups or {AUTO!r}, got {resident!r}")
-        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb)
+        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb)
+    if slice_mb is not None:
+        raise ValueError(f"resident={AUTO!r} times whole groups: it cannot go with slice_mb "
+                         f"({slice_mb!r}); give a number of resident groups")
     streamed = stream_optimizer(optimizer, groups, prefetch, groups, update_chunk_mb)
     training_step(model, optimizer, batch, loss_fn)
     tune_resident(streamed, model, batch, loss_fn, max_overhead=max_overhead, jobs=jobs,

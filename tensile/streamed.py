@@ -76,6 +76,7 @@ from __future__ import annotations
 import itertools
 import types
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -106,6 +107,7 @@ class _Group:
     host: torch.Tensor | None = None      # uint8, pinned on CUDA (None: resident or stateless)
     slot: "_Slot | None" = None           # the device slot holding its state during the update
     in_done: object = None                # CUDA event: the copy into the slot has landed
+    rows: tuple[int, int] | None = None   # a slice: flat elements [a, b) of its one parameter
 
 
 @dataclass(eq=False)   # slots compare by identity (list.remove, ``in``)
@@ -125,16 +127,19 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
                      prefetch: int = DEFAULT_PREFETCH, resident: int = 0,
-                     update_chunk_mb: float | None = None) -> "StreamedOptimizer":
+                     update_chunk_mb: float | None = None,
+                     slice_mb: float | None = None) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
     of the group updating (:data:`DEFAULT_PREFETCH`); the first ``resident`` groups backward
     updates keep their state on the device (all ``groups``: only the update moves into
     backward, which drops the gradients early; :func:`tensile.tune_resident` chooses it);
     ``update_chunk_mb``: each update on at most that many MiB of parameters at a time, which
-    bounds the optimizer's temporaries (None: a group at once). Returns the handle;
-    ``.remove()`` undoes it."""
-    return StreamedOptimizer(optimizer, groups, prefetch, resident, update_chunk_mb)
+    bounds the optimizer's temporaries (None: a group at once); ``slice_mb``: a parameter larger
+    than that many MiB streams its state in row slices of about that size, each its own group,
+    updated across the rest of backward (module notes; ``resident`` then counts the other
+    groups). Returns the handle; ``.remove()`` undoes it."""
+    return StreamedOptimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb)
 
 
 class StreamedOptimizer:
@@ -146,7 +151,8 @@ class StreamedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16,
                  prefetch: int = DEFAULT_PREFETCH,
-                 resident: int = 0, update_chunk_mb: float | None = None) -> None:
+                 resident: int = 0, update_chunk_mb: float | None = None,
+                 slice_mb: float | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -161,11 +167,13 @@ class StreamedOptimizer:
             raise ValueError(f"resident: expected an int from 0 to groups = {groups} (groups whose "
                              f"state stays on the device; all: only the update moves into "
                              f"backward), got {resident!r}")
-        if update_chunk_mb is not None and (isinstance(update_chunk_mb, bool)
-                                            or not isinstance(update_chunk_mb, (int, float))
-                                            or not update_chunk_mb > 0):
-            raise ValueError(f"update_chunk_mb: expected MiB > 0 (the most parameter bytes one "
-                             f"update call takes) or None, got {update_chunk_mb!r}")
+        for name, mb, what in (("update_chunk_mb", update_chunk_mb, "the most parameter bytes "
+                                "one update call takes"),
+                               ("slice_mb", slice_mb, "larger parameters stream their state in "
+                                "row slices of about that size")):
+            if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float))
+                                   or not mb > 0):
+                raise ValueError(f"{name}: expected MiB > 0 ({what}) or None, got {mb!r}")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -176,10 +184,23 @@ class StreamedOptimizer:
         self.device = params[0].device
         self.cuda = self.device.type == "cuda"
         self.prefetch = prefetch
-        self.groups = _split(params[::-1], groups)
-        self.resident = min(resident, len(self.groups))
+        self.groups = _split(params[::-1], groups,
+                             None if slice_mb is None else max(1, int(slice_mb * 2**20)))
+        # the groups resident counts: every group but a large parameter's slices
+        self._whole = [i for i, g in enumerate(self.groups) if g.rows is None]
+        self.resident = min(resident, len(self._whole))
         self.update_chunk = None if update_chunk_mb is None else max(1, int(update_chunk_mb * 2**20))
-        self._group_of = {id(p): i for i, g in enumerate(self.groups) for p in g.params}
+        self._slices_of: dict[int, list[int]] = {}   # id(parameter) -> its slices' groups
+        for i, g in enumerate(self.groups):
+            if g.rows is not None:
+                self._slices_of.setdefault(id(g.params[0]), []).append(i)
+        self._group_of = {id(p): i for i, g in reversed(list(enumerate(self.groups))) for p in g.params}
+        self._row_grads: dict[int, Callable] = {}    # id(parameter) -> rows' gradient (deferred)
+        self._queue: list[int] = []           # slices whose gradient is there, not updated yet
+        self._due: list[int] = []             # the hook count at which each queued slice goes
+        self._hooks_seen = 0                  # gradients that reached a hook this step
+        self._hooks_total = len(params)       # ... in the last step (a first guess: all)
+        self._slices_left: dict[int, int] = {}  # id(parameter) -> its slices not updated this step
         self.updates_in_backward = 0
         self.late_updates = 0
         self._ready: dict[int, int] = {}      # group -> gradients accumulated this step
@@ -202,6 +223,8 @@ class StreamedOptimizer:
         optimizer.state_dict = types.MethodType(_streamed_state_dict, optimizer)
         optimizer._tensile_streamed = self
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        for i in self._whole_or_sliced(sliced=True):   # a deferred weight's rows come here
+            self.groups[i].params[0]._tensile_rows = self._on_rows
         self.home_state()
 
     # ------------------------------------------------------------------ public
@@ -210,6 +233,8 @@ class StreamedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for i in self._whole_or_sliced(sliced=True):
+            vars(self.groups[i].params[0]).pop("_tensile_rows", None)
         for name, fn in self._original.items():
             setattr(self.optimizer, name, fn)
         del self.optimizer._tensile_streamed
@@ -226,12 +251,12 @@ class StreamedOptimizer:
         (0 to ``len(groups)``), the others' in host memory. Not during a step or a capture:
         a captured graph keeps the addresses it was captured with, so capture again after."""
         if not isinstance(resident, int) or isinstance(resident, bool) \
-                or not 0 <= resident <= len(self.groups):
-            raise ValueError(f"resident: expected an int from 0 to {len(self.groups)} (the groups), "
-                             f"got {resident!r}")
+                or not 0 <= resident <= len(self._whole):
+            raise ValueError(f"resident: expected an int from 0 to {len(self._whole)} (the groups "
+                             f"that are not a parameter's slices), got {resident!r}")
         if self._in_step or (self.cuda and torch.cuda.is_current_stream_capturing()):
             raise RuntimeError("set_resident between steps only, not during a step or a capture")
-        self._state_to_device(self.groups[:resident])
+        self._state_to_device([self.groups[i] for i in self._whole[:resident]])
         self.resident = resident
         self.home_state()
 
@@ -239,11 +264,24 @@ class StreamedOptimizer:
         """The state of ``groups`` back on the device, their host regions dropped (once the
         last step's copies to the host are done)."""
         self.synchronize()
+        moved = set()    # a parameter's slices share its region: each entry moves once
         for g in groups:
             for p, key, off, n in g.keys:
-                state = self.optimizer.state[p]
-                state[key] = state[key].to(self.device, copy=True)
+                if (id(p), key) not in moved:
+                    state = self.optimizer.state[p]
+                    state[key] = state[key].to(self.device, copy=True)
+                    moved.add((id(p), key))
             g.keys, g.host = [], None
+
+    def _whole_or_sliced(self, sliced: bool) -> list[int]:
+        """The groups that are a parameter's slice (``sliced``), or the others."""
+        return [i for i, g in enumerate(self.groups) if (g.rows is not None) == sliced]
+
+    def _streamed_groups(self) -> list[int]:
+        """The groups whose state lives on the host: every slice, and the other groups from
+        the ``resident``-th on."""
+        resident = set(self._whole[:self.resident])
+        return [i for i in range(len(self.groups)) if i not in resident]
 
     def homes(self, p: torch.Tensor, key: str) -> bool:
         """Whether state entry ``key`` of parameter ``p`` lives in a host region."""
@@ -256,11 +294,19 @@ class StreamedOptimizer:
         if self.cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the optimizer's state must be in host memory before a capture: "
                                "run one step first")
-        for g in self.groups[self.resident:]:
+        homed: dict[int, _Group] = {}   # id(parameter) -> its first slice, once homed
+        for i in self._streamed_groups():
+            g = self.groups[i]
             wanted = [(p, key) for p in g.params for key, v in self.optimizer.state.get(p, {}).items()
                       if _streamed_key(p, key, v)]
+            if g.rows is not None and id(g.params[0]) in homed:   # the region of its first slice
+                first = homed[id(g.params[0])]
+                g.keys, g.host = first.keys, first.host
+                continue
             if g.host is not None and wanted == [(p, k) for p, k, _, _ in g.keys] and \
                     all(self.optimizer.state[p][k].device.type == "cpu" for p, k in wanted):
+                if g.rows is not None:
+                    homed[id(g.params[0])] = g
                 continue    # homed already
             keys, total = [], 0
             for p, key in wanted:
@@ -278,6 +324,8 @@ class StreamedOptimizer:
                 view.copy_(v)
                 self.optimizer.state[p][key] = view
             g.keys, g.host = keys, host
+            if g.rows is not None:
+                homed[id(g.params[0])] = g
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -285,9 +333,43 @@ class StreamedOptimizer:
             return   # no state yet (the optimizer's first step): step() does it after backward
         if not self._in_step:   # backward's first gradient: a new step
             self._begin()
-        g = self._group_of[id(p)]
-        self._ready[g] = self._ready.get(g, 0) + 1
-        if self._ready[g] == len(self.groups[g].params):
+        self._hooks_seen += 1
+        if id(p) in self._slices_of:
+            self._enqueue(p)
+        else:
+            g = self._group_of[id(p)]
+            self._ready[g] = self._ready.get(g, 0) + 1
+            if self._ready[g] == len(self.groups[g].params):
+                self._update(g)
+                self.updates_in_backward += 1
+        self._pace()
+
+    def _on_rows(self, p: torch.Tensor, rows_grad: Callable[[int, int], torch.Tensor]) -> bool:
+        """A deferred weight's gradient (:mod:`tensile.defer`): ``rows_grad(r0, r1)`` makes
+        its rows ``r0:r1``. Its slices queue as if the gradient were there. False (the
+        optimizer's first step, no state yet): the caller makes the gradient as usual."""
+        if not self.optimizer.state.get(p):
+            return False
+        self._row_grads[id(p)] = rows_grad
+        self._on_grad(p)
+        return True
+
+    def _enqueue(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is there: its slices go one at a time over the hooks still to
+        come this step (as many as came in the last step), so their copies run beside the
+        rest of backward instead of the compute stream waiting for them all at once."""
+        slices = self._slices_of[id(p)]
+        self._slices_left[id(p)] = len(slices)
+        later = max(self._hooks_total - self._hooks_seen, 0)
+        for k, g in enumerate(slices):
+            self._queue.append(g)
+            self._due.append(self._hooks_seen + (k * later) // len(slices))
+
+    def _pace(self) -> None:
+        """Update the queued slices that are due by now."""
+        while self._queue and self._due[0] <= self._hooks_seen:
+            g = self._queue.pop(0)
+            self._due.pop(0)
             self._update(g)
             self.updates_in_backward += 1
 
@@ -297,7 +379,8 @@ class StreamedOptimizer:
         if self._marks is not None:
             self._marks("begin")
         self._ready, self._done, self._next_in, self._updates = {}, set(), 0, 0
-        self._needs = [g.host.numel() if g.host is not None else 0 for g in self.groups]
+        self._queue, self._due, self._hooks_seen = [], [], 0
+        self._needs = [_slot_bytes(g) for g in self.groups]
         self._still = [max(self._needs[i:], default=0) for i in range(len(self._needs) + 1)]
         self._fill()
 
@@ -367,17 +450,34 @@ class StreamedOptimizer:
         """Issue the copy of group ``g``'s state into ``slot``."""
         grp = self.groups[g]
         grp.slot = slot
-        dst = slot.device[:grp.host.numel()]
+        pairs = self._host_and_slot(grp, slot)
         if not self.cuda:
-            dst.copy_(grp.host)
+            for host, dev in pairs:
+                dev.copy_(host)
             return
         h2d = side_stream(self.device, "h2d")
         if slot.free_after is not None:
             h2d.wait_event(slot.free_after)   # the slot's last group has gone out
         with torch.cuda.stream(h2d):
-            dst.copy_(grp.host, non_blocking=True)
+            for host, dev in pairs:
+                dev.copy_(host, non_blocking=True)
             grp.in_done = torch.cuda.Event()
             grp.in_done.record(h2d)
+
+    def _host_and_slot(self, grp: _Group, slot: _Slot) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (host, device) pieces a group's state copies between: its whole region, or a
+        slice's rows of each state entry, one after the other in the slot."""
+        if grp.rows is None:
+            n = grp.host.numel()
+            return [(grp.host, slot.device[:n])]
+        a, b = grp.rows
+        pairs, off = [], 0
+        for p, key, host_off, n in grp.keys:
+            host = self.optimizer.state[p][key].view(-1)[a:b]   # between steps: the host's
+            nbytes = host.numel() * host.element_size()
+            pairs.append((host, slot.device[off:off + nbytes].view(host.dtype)))
+            off += -(-nbytes // 512) * 512
+        return pairs
 
     def _update(self, g: int) -> None:
         """Group ``g``'s update on its streamed-in state; the state goes back to the host."""
@@ -385,35 +485,41 @@ class StreamedOptimizer:
         if self._marks is not None:
             self._marks(g)
         if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
-            self._bring_in(g, self._new_slot(grp.host.numel()))
+            self._bring_in(g, self._new_slot(self._needs[g] or _slot_bytes(grp)))
         state = self.optimizer.state
         slot = grp.slot
-        if slot is not None:
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(grp.in_done)
-            for p, key, off, n in grp.keys:
-                state[p][key] = _view(slot.device, off, state[p][key])
-        # a parameter updated for the first time gets its state now, on the device
-        self._new_state |= any(p.grad is not None and not state.get(p) for p in grp.params)
-        for piece in self._pieces(grp.params):
-            self._step_on(piece)
-        for p in grp.params:
-            p.grad = None
+        if slot is not None and self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(grp.in_done)
+        if grp.rows is not None:
+            self._step_slice(grp)
+        else:
+            if slot is not None:
+                for p, key, off, n in grp.keys:
+                    state[p][key] = _view(slot.device, off, state[p][key])
+            # a parameter updated for the first time gets its state now, on the device
+            self._new_state |= any(p.grad is not None and not state.get(p) for p in grp.params)
+            for piece in self._pieces(grp.params):
+                self._step_on(piece)
+            for p in grp.params:
+                p.grad = None
         self._done.add(g)
         if slot is None:
             return
-        for p, key, off, n in grp.keys:
-            state[p][key] = _view(grp.host, off, state[p][key])
-        src = slot.device[:grp.host.numel()]
+        pairs = self._host_and_slot(grp, slot)
+        if grp.rows is None:
+            for p, key, off, n in grp.keys:
+                state[p][key] = _view(grp.host, off, state[p][key])
         if self.cuda:
             compute, d2h = torch.cuda.current_stream(self.device), side_stream(self.device, "d2h")
             d2h.wait_stream(compute)
             with torch.cuda.stream(d2h):
-                grp.host.copy_(src, non_blocking=True)
+                for host, dev in pairs:
+                    host.copy_(dev, non_blocking=True)
                 slot.free_after = torch.cuda.Event()
                 slot.free_after.record(d2h)
         else:
-            grp.host.copy_(src)
+            for host, dev in pairs:
+                host.copy_(dev)
         grp.slot = None
         self._updates += 1
         slot.freed_at = self._updates
@@ -509,14 +615,62 @@ class StreamedOptimizer:
             else:
                 st[k] = last[k]
 
+    def _step_slice(self, grp: _Group) -> None:
+        """A slice group's update: the optimizer's own ``step`` on its rows of the parameter,
+        their gradient (the deferred product's rows, or the gradient's) and their state in
+        its slot (or on the device, where nothing is streamed). The step count as
+        :meth:`_step_sliced`: each slice steps a copy of the count from before this step;
+        the parameter's last slice writes it back and drops the gradient."""
+        p, (a, b) = grp.params[0], grp.rows
+        rows_grad = self._row_grads.get(id(p))
+        if rows_grad is None and p.grad is None:
+            return   # no gradient this step: the optimizer would skip it too
+        row = p.numel() // p.shape[0]
+        opt, state, st = self.optimizer, self.optimizer.state, self.optimizer.state[p]
+        piece = p.detach().view(-1)[a:b]    # a view: the update writes p's memory
+        piece.grad = rows_grad(a // row, b // row).view(-1) if rows_grad is not None \
+            else p.grad.view(-1)[a:b]
+        in_slot = iter(dev for _, dev in self._host_and_slot(grp, grp.slot)) \
+            if grp.slot is not None else None
+        state[piece] = {k: (next(in_slot) if in_slot is not None else v.view(-1)[a:b])
+                        if _streamed_key(p, k, v)
+                        else (v.clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items()}
+        saved = opt.param_groups
+        opt.param_groups = [{**_subgroups(saved, [p])[0], "params": [piece]}]
+        try:
+            self._original["step"]()
+        finally:
+            opt.param_groups = saved
+            last = state.pop(piece)
+            piece.grad = None
+        self._slices_left[id(p)] -= 1
+        if self._slices_left[id(p)] == 0:   # the parameter's last slice this step
+            for k, v in st.items():
+                if _streamed_key(p, k, v):
+                    continue
+                if isinstance(v, torch.Tensor):
+                    v.copy_(last[k])   # in place: a captured graph keeps its address
+                else:
+                    st[k] = last[k]
+            p.grad = None
+            self._row_grads.pop(id(p), None)
+
     def _finish(self) -> None:
         """After backward: update the groups backward did not complete (a parameter without
         a gradient this step, or without state yet), then drop the slots once the compute
         stream waited for their last copies out."""
         for g in range(len(self.groups)):
             if g not in self._done:
+                if self.groups[g].rows is not None and id(self.groups[g].params[0]) \
+                        not in self._slices_left:   # its hook never came: its gradient now
+                    self._slices_left[id(self.groups[g].params[0])] = \
+                        len(self._slices_of[id(self.groups[g].params[0])])
                 self._update(g)
                 self.late_updates += 1
+        self._queue, self._due, self._slices_left, self._row_grads = [], [], {}, {}
+        if self._hooks_seen:
+            self._hooks_total = self._hooks_seen
         if self.cuda:
             compute = torch.cuda.current_stream(self.device)
             for slot in self._slots:
@@ -561,10 +715,36 @@ def _streamed_state_dict(optimizer):
     return s._original["state_dict"]()
 
 
-def _split(params: list, groups: int) -> list[_Group]:
+def _split(params: list, groups: int, slice_bytes: int | None = None) -> list[_Group]:
     """``params`` (in backward's order) cut into at most ``groups`` runs of about equal bytes,
     the first and the last :data:`END_SHARE` of the others' from :data:`END_GROUPS` groups on
-    (with fewer, the others would grow by more than a fifth, and the ring's slots with them)."""
+    (with fewer, the others would grow by more than a fifth, and the ring's slots with them).
+    A parameter larger than ``slice_bytes`` is not in a run: it becomes groups of its own, one
+    per slice of whole rows of about that many bytes, where it comes in backward's order."""
+    big = [] if slice_bytes is None else \
+        [p for p in params if p.dim() >= 1 and p.numel() * p.element_size() > slice_bytes]
+    if not big:
+        return _runs(params, groups)
+    out = _runs([p for p in params if all(p is not q for q in big)], groups)
+    where = {id(p): i for i, p in enumerate(params)}
+    for p in big:   # before the first run that backward updates after it
+        at = next((i for i, g in enumerate(out) if where[id(g.params[0])] > where[id(p)]), len(out))
+        out[at:at] = _slices(p, slice_bytes)
+    return out
+
+
+def _slices(p: torch.Tensor, nbytes: int) -> list[_Group]:
+    """``p`` in slices of whole rows (its first dimension) of about ``nbytes`` each."""
+    row = p.numel() // p.shape[0]
+    step = max(1, nbytes // (row * p.element_size()))
+    return [_Group([p], rows=(r * row, min(r + step, p.shape[0]) * row))
+            for r in range(0, p.shape[0], step)]
+
+
+def _runs(params: list, groups: int) -> list[_Group]:
+    """:func:`_split` without slices."""
+    if not params:
+        return []
     total = sum(p.numel() * p.element_size() for p in params)
     shares = [1.0] * groups
     if groups >= END_GROUPS:
@@ -581,6 +761,16 @@ def _split(params: list, groups: int) -> list[_Group]:
     if run:
         out.append(_Group(run))
     return out
+
+
+def _slot_bytes(g: _Group) -> int:
+    """The device bytes group ``g``'s state takes in a slot (0: not streamed)."""
+    if g.host is None:
+        return 0
+    if g.rows is None:
+        return g.host.numel()
+    a, b = g.rows
+    return sum(-(-((b - a) * (n // p.numel())) // 512) * 512 for p, _, _, n in g.keys)
 
 
 def _streamed_key(p: torch.Tensor, key: str, v) -> bool:
