@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import tensile
+from tensile.resident import install_streamed
 from tensile.step import training_step
 
 LOSS = nn.functional.cross_entropy
@@ -501,3 +502,136 @@ def test_a_slot_far_too_small_is_given_back_at_once_memory_first():
     given_back = _give_backs([32, 4, 24, 32, 6, 32, 32], prefetch=1, seed=5)   # very unequal
     assert any(far and n < 2 for n, far, _ in given_back), given_back      # at once
     assert all(far or tail or n >= 2 for n, far, tail in given_back), given_back  # else lazily
+
+
+# --------------------------------------------------------------------------- slices
+
+def make_head() -> nn.Module:
+    """A classifier whose middle layer (48 x 64 floats, 12 KiB) is far larger than the others."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 10))
+
+
+def head_batches(n: int):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+            for _ in range(n)]
+
+
+def train_head(data, slice_mb=None, defer=False, resident=0, **adam):
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
+    handle = tensile.defer_weight_grads(model, min_mb=0.005) if defer else None
+    streamed = None if slice_mb is False else \
+        tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=resident, slice_mb=slice_mb)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    return model, opt, streamed, handle
+
+
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("defer", [False, True], ids=["gradient", "deferred"])
+@pytest.mark.parametrize("resident", [0, 3])
+def test_a_sliced_parameter_trains_bit_for_bit_with_its_state_on_the_host(defer, resident, fused):
+    """``slice_mb``: the two larger weights (12 and 8 KiB) stream their state in 4 KiB slices
+    of whole rows, each its own group, updated from the gradient's rows (or the deferred
+    product's rows) one at a time over the rest of backward; ``resident`` counts the other
+    groups. Parameters, moments and step counts match one ``step()`` after backward."""
+    data = head_batches(6)
+    m0, o0, _, _ = train_head(data, slice_mb=False, weight_decay=0.01, fused=fused)
+    model, opt, streamed, handle = train_head(data, slice_mb=4 / 1024, defer=defer,
+                                              resident=resident, weight_decay=0.01, fused=fused)
+    slices = [(g.params[0].shape, g.rows) for g in streamed.groups if g.rows is not None]
+    assert slices == [((48, 64), (0, 1024)), ((48, 64), (1024, 2048)), ((48, 64), (2048, 3072)),
+                      ((64, 32), (0, 1024)), ((64, 32), (1024, 2048))]
+    # the other parameters in groups = 3 groups, in backward's order around the slices
+    whole = [[tuple(p.shape) for p in g.params] for g in streamed.groups if g.rows is None]
+    assert whole == [[(10,), (10, 48)], [(48,)], [(64,)]] and streamed.resident == resident
+    assert_same_training(m0, o0, model, opt)
+    for layer in (model[2], model[0]):   # a sliced weight's state lives on the host, whole
+        assert streamed.homes(layer.weight, "exp_avg") and streamed.homes(layer.weight, "exp_avg_sq")
+        assert opt.state[layer.weight]["exp_avg"].device.type == "cpu"
+        assert layer.weight.grad is None
+    # every slice updated in backward in the five steps after the first (that one makes state)
+    assert streamed.updates_in_backward == 5 * len(streamed.groups) and streamed.late_updates == 0
+    if defer:   # the deferred product went to the slices, row slice by row slice (the first
+        assert handle.deferred == len(data)   # layer's input needs no gradient: not deferred)
+
+
+def test_slices_go_one_at_a_time_over_the_gradients_still_to_come():
+    """Queued slices are due evenly over the hooks backward still has to run (counted in the
+    step before), not all at once where the gradient lands."""
+    data = head_batches(3)
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, slice_mb=4 / 1024)
+    order = []
+    update = streamed._update
+    streamed._update = lambda g: (order.append((g, streamed._hooks_seen)), update(g))[-1]
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    last = order[-len(streamed.groups):]          # the last step's updates, with the hook count
+    seen = {g: h for g, h in last}
+    slices = [i for i, g in enumerate(streamed.groups) if g.rows is not None]
+    # the 12 KiB weight's gradient comes at hook 4 of 6, two more to come: its 3 slices go
+    # at hooks 4, 4 and 5 (slice k at 4 + k * 2 // 3); the 8 KiB weight's at the last hook
+    assert [seen[g] for g in slices] == [4, 4, 5, 6, 6]
+    assert streamed._hooks_total == 6
+
+
+def test_a_sliced_state_round_trips_and_remove_brings_it_back_whole():
+    data = head_batches(4)
+    m0, o0, _, _ = train_head(data, slice_mb=False)
+    model, opt, streamed, _ = train_head(data[:2], slice_mb=4 / 1024, defer=True)
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)           # homes the state again, in the same host regions' shape
+    for b in data[2:]:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(m0, o0, model, opt)
+    streamed.remove()
+    assert all(v.device.type == "cpu" and v.is_contiguous()   # CPU run: the device is the CPU too
+               for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    assert not hasattr(model[2].weight, "_tensile_rows")
+    assert_same_training(m0, o0, model, opt)
+
+
+def test_slices_refuse_a_bad_size_and_resident_auto():
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match=r"slice_mb: expected MiB > 0 \(larger parameters stream"):
+        tensile.stream_optimizer(opt, slice_mb=0)
+    with pytest.raises(ValueError, match=r"resident='auto' times whole groups: it cannot go with "
+                                         r"slice_mb"):
+        install_streamed(model, opt, head_batches(1)[0], LOSS, groups=3, prefetch=1,
+                                 resident="auto", slice_mb=1.0)
+    streamed = tensile.stream_optimizer(opt, groups=3, slice_mb=4 / 1024)
+    with pytest.raises(ValueError, match=r"resident: expected an int from 0 to 3 \(the groups "
+                                         r"that are not a parameter's slices\)"):
+        streamed.set_resident(4)
+    with pytest.raises(ValueError, match=r"tune_resident times whole groups"):
+        tensile.tune_resident(streamed, model, head_batches(1)[0], LOSS)
+
+
+def test_a_scheduler_plans_and_runs_a_sliced_deferred_step_exactly():
+    """Recorded, planned and run by TENSILE (simulation), the step with the deferred weight's
+    state streamed in slices trains like the plain step; the moments of the sliced weights
+    are no device tensors of the recording."""
+    data = head_batches(8)
+    m0, o0, _, _ = train_head(data, slice_mb=False)
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tensile.defer_weight_grads(model, min_mb=0.005)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=3, slice_mb=4 / 1024)
+    sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
+                              allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
+                              peak_flops=1e12, peak_bytes_per_s=1e11)
+    params = list(model.parameters())
+    moments = {(tuple(params[i].shape), key) for i, key in sched.recording.opt_state_keys.values()
+               if key != "step"}
+    assert moments == {(shape, key) for shape in [(10, 48), (10,), (48,), (64,)]
+                       for key in ("exp_avg", "exp_avg_sq")}   # the resident groups' only
+    for b in data:
+        sched.step(*b)
+    assert streamed.late_updates == 0
+    assert_same_training(m0, o0, model, opt)
