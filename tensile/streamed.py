@@ -44,6 +44,18 @@ group's update runs as several calls of the optimizer's own ``step`` on at most 
 parameters, a larger parameter cut into flat slices whose state is the matching slices of its
 state (bit for bit the same for an elementwise optimizer: tests).
 
+A parameter whose state alone is most of the step's (VGG-16's first fully connected layer:
+784 MiB of Adam's 1056) cannot be one group: its copies (16 ms each way at 55 GB/s) would
+come and go with its one update. ``slice_mb`` cuts every parameter larger than that into
+slices of whole rows of about that size, each its own group, whose state is the matching
+rows of the parameter's state in one host region. The slices queue when the parameter's
+gradient is there and go one at a time, due evenly over the gradients backward has still to
+accumulate (as many as in the step before), so their copies run beside the rest of backward
+and at most ``prefetch + 1`` slices' state is on the device. A weight whose gradient
+:func:`tensile.defer_weight_grads` defers gives each slice its rows of the deferred product
+(``grad_out[:, rows].T @ input``: the product's rows, bit for bit), so the whole gradient is
+never made. ``resident`` counts the other groups; a slice's state always streams.
+
 The first groups backward updates come in during backward's short start (ResNet-50's layer 4
 holds most of its weights), faster than two copy engines can carry them: ``resident=k``
 keeps the state of the first ``k`` groups on the device, trading memory for that wait;
