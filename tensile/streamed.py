@@ -619,13 +619,7 @@ class StreamedOptimizer:
                 piece.grad = None
         finally:
             opt.param_groups = saved
-        for k, v in st.items():   # the step count: every slice advanced its copy alike
-            if _streamed_key(p, k, v):
-                continue
-            if isinstance(v, torch.Tensor):
-                v.copy_(last[k])   # in place: a captured graph keeps its address
-            else:
-                st[k] = last[k]
+        _write_back(p, st, last)   # the step count: every slice advanced its copy alike
 
     def _step_slice(self, grp: _Group) -> None:
         """A slice group's update: the optimizer's own ``step`` on its rows of the parameter,
@@ -658,13 +652,7 @@ class StreamedOptimizer:
             piece.grad = None
         self._slices_left[id(p)] -= 1
         if self._slices_left[id(p)] == 0:   # the parameter's last slice this step
-            for k, v in st.items():
-                if _streamed_key(p, k, v):
-                    continue
-                if isinstance(v, torch.Tensor):
-                    v.copy_(last[k])   # in place: a captured graph keeps its address
-                else:
-                    st[k] = last[k]
+            _write_back(p, st, last)
             p.grad = None
             self._row_grads.pop(id(p), None)
 
@@ -773,6 +761,18 @@ def _runs(params: list, groups: int) -> list[_Group]:
     if run:
         out.append(_Group(run))
     return out
+
+
+def _write_back(p: torch.Tensor, st: dict, last: dict) -> None:
+    """A sliced update's last slice's copy of ``p``'s other state (the step count) into
+    ``p``'s state ``st``: every slice advanced its own copy of it alike."""
+    for k, v in st.items():
+        if _streamed_key(p, k, v):
+            continue
+        if isinstance(v, torch.Tensor):
+            v.copy_(last[k])   # in place: a captured graph keeps its address
+        else:
+            st[k] = last[k]
 
 
 def _slot_bytes(g: _Group) -> int:
