@@ -367,15 +367,16 @@ class StreamedOptimizer:
         return True
 
     def _enqueue(self, p: torch.Tensor) -> None:
-        """``p``'s gradient is there: its slices go one at a time over the hooks still to
-        come this step (as many as came in the last step), so their copies run beside the
+        """``p``'s gradient is there: its slices join the queue, and every queued slice goes
+        one at a time, due evenly over the hooks still to come this step (as many as came in
+        the last step), in the queue's order (the ring's), so their copies run beside the
         rest of backward instead of the compute stream waiting for them all at once."""
         slices = self._slices_of[id(p)]
         self._slices_left[id(p)] = len(slices)
+        self._queue += slices
         later = max(self._hooks_total - self._hooks_seen, 0)
-        for k, g in enumerate(slices):
-            self._queue.append(g)
-            self._due.append(self._hooks_seen + (k * later) // len(slices))
+        self._due = [self._hooks_seen + (k * later) // len(self._queue)
+                     for k in range(len(self._queue))]
 
     def _pace(self) -> None:
         """Update the queued slices that are due by now."""

@@ -635,3 +635,27 @@ def test_a_scheduler_plans_and_runs_a_sliced_deferred_step_exactly():
         sched.step(*b)
     assert streamed.late_updates == 0
     assert_same_training(m0, o0, model, opt)
+
+
+def test_a_later_parameters_slices_do_not_wait_behind_an_earlier_ones_spread():
+    """Where a second sliced weight's gradient comes while the first's slices are still
+    queued, every queued slice is spread again over the hooks left: the new ones do not
+    wait behind the old ones' later due hooks (the queue is the ring's order)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 64))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=1, prefetch=1, slice_mb=4 / 1024)
+    counts = []
+    update = streamed._update
+    streamed._update = lambda g: (counts.append(streamed._hooks_seen), update(g))[-1]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        training_step(model, opt, (x, y), LOSS)
+    per_hook = [counts[-len(streamed.groups):].count(h) for h in range(1, 7)]
+    # hooks: 4.bias, 4.weight, 2.bias, 2.weight, 0.bias, 0.weight. The last layer's 4 slices
+    # come at hook 2 and are spread over hooks 2-5; the middle layer's 4 join at hook 4 with
+    # two of them left: six over hooks 4 and 5 (without the spread again, the new ones would
+    # wait behind the old ones' hook 5); the biases' group at hook 5; the first layer's 2 at 6
+    assert per_hook == [0, 1, 1, 3, 4, 2]
