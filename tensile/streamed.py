@@ -632,8 +632,14 @@ class StreamedOptimizer:
         rows_grad = self._row_grads.get(id(p))
         if rows_grad is None and p.grad is None:
             return   # no gradient this step: the optimizer would skip it too
+        opt, state, st = self.optimizer, self.optimizer.state, self.optimizer.state.get(p)
+        if not st:   # its first gradient: the whole update makes its state, on the device
+            self._step_on([p])
+            p.grad = None
+            self._new_state = True   # to the host once backward ends
+            self._done.update(self._slices_of[id(p)])
+            return
         row = p.numel() // p.shape[0]
-        opt, state, st = self.optimizer, self.optimizer.state, self.optimizer.state[p]
         piece = p.detach().view(-1)[a:b]    # a view: the update writes p's memory
         piece.grad = rows_grad(a // row, b // row).view(-1) if rows_grad is not None \
             else p.grad.view(-1)[a:b]
@@ -723,7 +729,8 @@ def _split(params: list, groups: int, slice_bytes: int | None = None) -> list[_G
     A parameter larger than ``slice_bytes`` is not in a run: it becomes groups of its own, one
     per slice of whole rows of about that many bytes, where it comes in backward's order."""
     big = [] if slice_bytes is None else \
-        [p for p in params if p.dim() >= 1 and p.numel() * p.element_size() > slice_bytes]
+        [p for p in params if p.dim() >= 1 and p.is_contiguous()
+         and p.numel() * p.element_size() > slice_bytes]
     if not big:
         return _runs(params, groups)
     out = _runs([p for p in params if all(p is not q for q in big)], groups)

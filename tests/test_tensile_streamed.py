@@ -659,3 +659,34 @@ def test_a_later_parameters_slices_do_not_wait_behind_an_earlier_ones_spread():
     # two of them left: six over hooks 4 and 5 (without the spread again, the new ones would
     # wait behind the old ones' hook 5); the biases' group at hook 5; the first layer's 2 at 6
     assert per_hook == [0, 1, 1, 3, 4, 2]
+
+
+class LateLayer(nn.Module):
+    """A head whose large extra layer first runs in the third step: its first gradient (and
+    state) comes when the other parameters' state is streamed already."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head, self.extra = make_head(), nn.Linear(32, 64)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.head(x + self.extra(x)[:, :32] if self.calls >= 3 else x)
+
+
+def test_a_sliced_parameters_first_gradient_in_a_later_step_makes_its_state_and_homes_it():
+    data = head_batches(6)
+    plain = LateLayer()
+    o0 = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    for b in data:
+        training_step(plain, o0, b, LOSS)
+    model = LateLayer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, slice_mb=4 / 1024)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    assert_same_training(plain, o0, model, opt)
+    assert opt.state[model.extra.weight]["exp_avg"].device.type == "cpu"
+    assert streamed.homes(model.extra.weight, "exp_avg")
