@@ -15,6 +15,7 @@ from torch import nn
 
 import tensile
 from tensile.runtime import bytes_per_s
+from tensile.streamed import streamed_of
 from tensile.step import training_step
 
 from resnet_block import make_densenet, make_resnet
@@ -428,7 +429,7 @@ def test_a_sliced_deferred_layer_streams_its_state_exactly_captured_and_off_the_
             data, 32, factory=factory, stream_groups=4, allow_recompute=False,
             stream_kwargs={"resident": 4, "slice_mb": slice_mb})
         peaks[slice_mb] = graph.peak_bytes - base
-        streamed = tensile.streamed_of(opt)
+        streamed = streamed_of(opt)
         assert sum(g.rows is not None for g in streamed.groups) == (8 if slice_mb else 0)
         for a, b in zip(expected, states(model, opt), strict=True):
             assert torch.equal(a, b.cpu()), f"slice_mb={slice_mb} differs from plain eager Adam"
