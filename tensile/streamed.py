@@ -210,6 +210,7 @@ class StreamedOptimizer:
         for i, g in enumerate(self.groups):
             if g.rows is not None:
                 self._slices_of.setdefault(id(g.params[0]), []).append(i)
+        # a parameter's group; a sliced one's first slice (whose keys and region all share)
         self._group_of = {id(p): i for i, g in reversed(list(enumerate(self.groups))) for p in g.params}
         self._row_grads: dict[int, Callable] = {}    # id(parameter) -> rows' gradient (deferred)
         self._queue: list[int] = []           # slices whose gradient is there, not updated yet
