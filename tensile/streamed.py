@@ -217,7 +217,6 @@ class StreamedOptimizer:
         self._due: list[int] = []             # the hook count at which each queued slice goes
         self._hooks_seen = 0                  # gradients that reached a hook this step
         self._hooks_total = len(params)       # ... in the last step (a first guess: all)
-        self._slices_left: dict[int, int] = {}  # id(parameter) -> its slices not updated this step
         self.updates_in_backward = 0
         self.late_updates = 0
         self._ready: dict[int, int] = {}      # group -> gradients accumulated this step
@@ -240,8 +239,8 @@ class StreamedOptimizer:
         optimizer.state_dict = types.MethodType(_streamed_state_dict, optimizer)
         optimizer._tensile_streamed = self
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        for i in self._whole_or_sliced(sliced=True):   # a deferred weight's rows come here
-            self.groups[i].params[0]._tensile_rows = self._on_rows
+        for p in self._sliced_params():   # a deferred weight's rows come here
+            p._tensile_rows = self._on_rows
         self.home_state()
 
     # ------------------------------------------------------------------ public
@@ -250,8 +249,8 @@ class StreamedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for i in self._whole_or_sliced(sliced=True):
-            vars(self.groups[i].params[0]).pop("_tensile_rows", None)
+        for p in self._sliced_params():
+            vars(p).pop("_tensile_rows", None)
         for name, fn in self._original.items():
             setattr(self.optimizer, name, fn)
         del self.optimizer._tensile_streamed
@@ -290,9 +289,9 @@ class StreamedOptimizer:
                     moved.add((id(p), key))
             g.keys, g.host = [], None
 
-    def _whole_or_sliced(self, sliced: bool) -> list[int]:
-        """The groups that are a parameter's slice (``sliced``), or the others."""
-        return [i for i, g in enumerate(self.groups) if (g.rows is not None) == sliced]
+    def _sliced_params(self) -> list[torch.Tensor]:
+        """The parameters cut into slices, each once."""
+        return [self.groups[slices[0]].params[0] for slices in self._slices_of.values()]
 
     def _streamed_groups(self) -> list[int]:
         """The groups whose state lives on the host: every slice, and the other groups from
@@ -376,9 +375,7 @@ class StreamedOptimizer:
         one at a time, due evenly over the hooks still to come this step (as many as came in
         the last step), in the queue's order (the ring's), so their copies run beside the
         rest of backward instead of the compute stream waiting for them all at once."""
-        slices = self._slices_of[id(p)]
-        self._slices_left[id(p)] = len(slices)
-        self._queue += slices
+        self._queue += self._slices_of[id(p)]
         later = max(self._hooks_total - self._hooks_seen, 0)
         self._due = [self._hooks_seen + (k * later) // len(self._queue)
                      for k in range(len(self._queue))]
@@ -503,13 +500,13 @@ class StreamedOptimizer:
         if self._marks is not None:
             self._marks(g)
         if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
-            self._bring_in(g, self._new_slot(self._needs[g] or _slot_bytes(grp)))
+            self._bring_in(g, self._new_slot(_slot_bytes(grp)))
         state = self.optimizer.state
         slot = grp.slot
         if slot is not None and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(grp.in_done)
         if grp.rows is not None:
-            self._step_slice(grp)
+            self._step_slice(g)
         else:
             if slot is not None:
                 for p, key, off, n in grp.keys:
@@ -604,40 +601,24 @@ class StreamedOptimizer:
             opt.param_groups = saved
 
     def _step_sliced(self, p: torch.Tensor, length: int) -> None:
-        """``p``'s update as one ``step`` per flat slice of ``length`` elements: each slice a view
-        of ``p`` with the matching slices of its gradient and parameter-shaped state, and its own
-        copy of the rest (Adam's step count), written back once the last slice is done."""
-        opt, state = self.optimizer, self.optimizer.state
-        st = state[p]
-        flat, grad = p.detach().view(-1), p.grad.view(-1)
-        saved, last = opt.param_groups, None
-        groups = _subgroups(saved, [p])
-        try:
-            for a in range(0, flat.numel(), length):
-                piece = flat[a:a + length]   # a view: the update writes p's memory
-                piece.grad = grad[a:a + length]
-                state[piece] = {k: v.view(-1)[a:a + length] if _streamed_key(p, k, v)
-                                else (v.clone() if isinstance(v, torch.Tensor) else v)
-                                for k, v in st.items()}
-                opt.param_groups = [{**groups[0], "params": [piece]}]
-                self._original["step"]()
-                last = state.pop(piece)
-                piece.grad = None
-        finally:
-            opt.param_groups = saved
-        _write_back(p, st, last)   # the step count: every slice advanced its copy alike
+        """``p``'s update as one ``step`` per flat slice of ``length`` elements
+        (:meth:`_step_piece`), the step count written back once the last slice is done."""
+        grad, last = p.grad.view(-1), None
+        for a in range(0, p.numel(), length):
+            last = self._step_piece(p, a, a + length, grad[a:a + length])
+        _write_back(p, self.optimizer.state[p], last)   # every slice advanced its copy alike
 
-    def _step_slice(self, grp: _Group) -> None:
-        """A slice group's update: the optimizer's own ``step`` on its rows of the parameter,
-        their gradient (the deferred product's rows, or the gradient's) and their state in
-        its slot (or on the device, where nothing is streamed). The step count as
-        :meth:`_step_sliced`: each slice steps a copy of the count from before this step;
-        the parameter's last slice writes it back and drops the gradient."""
+    def _step_slice(self, g: int) -> None:
+        """Slice group ``g``'s update (:meth:`_step_piece`): its rows of the parameter, their
+        gradient (the deferred product's rows, or the gradient's) and their state in its slot
+        (or on the device, where nothing is streamed). The parameter's last slice this step
+        writes the step count back and drops the gradient."""
+        grp = self.groups[g]
         p, (a, b) = grp.params[0], grp.rows
         rows_grad = self._row_grads.get(id(p))
         if rows_grad is None and p.grad is None:
             return   # no gradient this step: the optimizer would skip it too
-        opt, state, st = self.optimizer, self.optimizer.state, self.optimizer.state.get(p)
+        st = self.optimizer.state.get(p)
         if not st:   # its first gradient: the whole update makes its state, on the device
             self._step_on([p])
             p.grad = None
@@ -645,12 +626,27 @@ class StreamedOptimizer:
             self._done.update(self._slices_of[id(p)])
             return
         row = p.numel() // p.shape[0]
-        piece = p.detach().view(-1)[a:b]    # a view: the update writes p's memory
-        piece.grad = rows_grad(a // row, b // row).view(-1) if rows_grad is not None \
+        grad = rows_grad(a // row, b // row).view(-1) if rows_grad is not None \
             else p.grad.view(-1)[a:b]
-        in_slot = iter(dev for _, dev in self._host_and_slot(grp, grp.slot)) \
-            if grp.slot is not None else None
-        state[piece] = {k: (next(in_slot) if in_slot is not None else v.view(-1)[a:b])
+        in_slot = None if grp.slot is None else \
+            [dev for _, dev in self._host_and_slot(grp, grp.slot)]
+        last = self._step_piece(p, a, b, grad, in_slot)
+        if all(j in self._done for j in self._slices_of[id(p)] if j != g):   # the last slice
+            _write_back(p, st, last)
+            p.grad = None
+            self._row_grads.pop(id(p), None)
+
+    def _step_piece(self, p: torch.Tensor, a: int, b: int, grad: torch.Tensor,
+                    moments: list[torch.Tensor] | None = None) -> dict:
+        """The optimizer's own ``step`` on ``p``'s flat elements ``a:b``: a view of ``p`` (the
+        update writes ``p``'s memory) with ``grad``, its parameter-shaped state ``moments`` (in
+        the order of ``p``'s state; None: the matching slices of that state) and its own copy
+        of the rest (Adam's step count). Returns the piece's state after the step."""
+        opt, state, st = self.optimizer, self.optimizer.state, self.optimizer.state[p]
+        piece = p.detach().view(-1)[a:b]
+        piece.grad = grad
+        moment = iter(moments) if moments is not None else None
+        state[piece] = {k: (next(moment) if moment is not None else v.view(-1)[a:b])
                         if _streamed_key(p, k, v)
                         else (v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in st.items()}
@@ -660,13 +656,9 @@ class StreamedOptimizer:
             self._original["step"]()
         finally:
             opt.param_groups = saved
-            last = state.pop(piece)
             piece.grad = None
-        self._slices_left[id(p)] -= 1
-        if self._slices_left[id(p)] == 0:   # the parameter's last slice this step
-            _write_back(p, st, last)
-            p.grad = None
-            self._row_grads.pop(id(p), None)
+            last = state.pop(piece)
+        return last
 
     def _finish(self) -> None:
         """After backward: update the groups backward did not complete (a parameter without
@@ -674,13 +666,9 @@ class StreamedOptimizer:
         stream waited for their last copies out."""
         for g in range(len(self.groups)):
             if g not in self._done:
-                if self.groups[g].rows is not None and id(self.groups[g].params[0]) \
-                        not in self._slices_left:   # its hook never came: its gradient now
-                    self._slices_left[id(self.groups[g].params[0])] = \
-                        len(self._slices_of[id(self.groups[g].params[0])])
                 self._update(g)
                 self.late_updates += 1
-        self._queue, self._due, self._slices_left, self._row_grads = [], [], {}, {}
+        self._queue, self._due, self._row_grads = [], [], {}
         if self._hooks_seen:
             self._hooks_total = self._hooks_seen
         if self.cuda:
