@@ -152,15 +152,15 @@ def validate(cfg, models: dict) -> None:
     if not isinstance(sov, (int, float)) or isinstance(sov, bool) or not 0 <= sov < 1:
         raise ConfigError(f"experiment.stream_overhead must be a fraction of the step in [0, 1), "
                           f"got {sov!r}")
-    sc = exp.get("stream_chunk_mb")
-    if sc is not None and (not isinstance(sc, (int, float)) or isinstance(sc, bool) or not sc > 0):
-        raise ConfigError(f"experiment.stream_chunk_mb must be MiB > 0 (the most parameter bytes "
-                          f"one optimizer update call takes) or null, got {sc!r}")
-    sl = exp.get("stream_slice_mb")
-    if sl is not None and (not isinstance(sl, (int, float)) or isinstance(sl, bool) or not sl > 0):
-        raise ConfigError(f"experiment.stream_slice_mb must be MiB > 0 (larger parameters stream "
-                          f"their state in row slices of about that size) or null, got {sl!r}")
-    if sl is not None and rs == AUTO:
+    for key, what in (("stream_chunk_mb", "the most parameter bytes one optimizer update call "
+                                          "takes"),
+                      ("stream_slice_mb", "larger parameters stream their state in row slices "
+                                          "of about that size")):
+        mb = exp.get(key)
+        if mb is not None and (not isinstance(mb, (int, float)) or isinstance(mb, bool)
+                               or not mb > 0):
+            raise ConfigError(f"experiment.{key} must be MiB > 0 ({what}) or null, got {mb!r}")
+    if exp.get("stream_slice_mb") is not None and rs == AUTO:
         raise ConfigError("experiment.stream_slice_mb cannot go with stream_resident=auto "
                           "(tensile.tune_resident times whole groups): give a number of groups")
     dw = exp.get("defer_wgrad_mb")
@@ -378,12 +378,14 @@ def stream_opts(exp) -> dict[str, Any]:
             "stream_prefetch": int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
             "stream_resident": _resident(exp),
             "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
-            "stream_chunk_mb": _chunk(exp), "stream_slice_mb": _chunk(exp, "stream_slice_mb")}
+            "stream_chunk_mb": _mb(exp, "stream_chunk_mb"),
+            "stream_slice_mb": _mb(exp, "stream_slice_mb")}
 
 
-def _chunk(exp, key: str = "stream_chunk_mb") -> float | None:
-    sc = exp.get(key)
-    return None if sc is None else float(sc)
+def _mb(exp, key: str) -> float | None:
+    """``experiment.<key>``, MiB or None."""
+    mb = exp.get(key)
+    return None if mb is None else float(mb)
 
 
 def stream_knobs(name: str, exp) -> list[str]:
@@ -392,7 +394,7 @@ def stream_knobs(name: str, exp) -> list[str]:
         return []
     return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
                         _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
-                        _chunk(exp), _chunk(exp, "stream_slice_mb"))
+                        _mb(exp, "stream_chunk_mb"), _mb(exp, "stream_slice_mb"))
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
@@ -401,7 +403,8 @@ def stream_label(groups: int, prefetch: int, resident: int | str,
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
     unless 1 (rows from before the default became 2 meant 1), resident unless 0, with
     ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`), and the
-    update's chunk and the large parameters' slices when there are. Also ``experiments.tensile_multi``'s settings."""
+    update's chunk and the large parameters' slices when there are. Also
+    ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
         knobs.append(f"stream_prefetch={prefetch}")

@@ -363,7 +363,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                    stream_optimizer: int = 0, stream_prefetch: int = DEFAULT_PREFETCH,
                    stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
                    stream_jobs: int = 1, stream_chunk_mb: float | None = None,
-                   stream_slice_mb: float | None = None, defer_wgrad_mb: float | None = None, time_copies: bool = False,
+                   stream_slice_mb: float | None = None, defer_wgrad_mb: float | None = None,
+                   time_copies: bool = False,
                    **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
