@@ -200,6 +200,15 @@ def _captured_tensile(data, width: int, factory=make_cnn, stream_groups: int = 0
     return model, opt, sched, graph
 
 
+def settled_allocated() -> int:
+    """What the allocator holds once freed tensors are collected, the device is idle and the
+    cache is empty: the base a capture's peak is counted above."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
 def _eager(data, width: int, factory=make_cnn, fused: bool | None = None):
     model = factory(width=width)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, fused=fused)
@@ -248,11 +257,7 @@ def test_streamed_optimizer_trains_exactly_eager_and_captured_and_lowers_the_pea
     _, _, vanilla = _captured_vanilla(data, 256)
     vanilla_peak = vanilla.peak_bytes - base
     del vanilla
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-    base = torch.cuda.memory_allocated()
+    base = settled_allocated()
     model, opt, _, graph = _captured_tensile(data, 256, stream_groups=8)
     streamed = opt._tensile_streamed
     streamed_peak = graph.peak_bytes - base
@@ -339,10 +344,7 @@ def test_a_chunked_update_trains_exactly_captured_and_takes_its_temporaries_off_
     del m0, o0
     peaks = {}
     for chunk in (None, 8):
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
+        base = settled_allocated()
         model, opt, _, graph = _captured_tensile(
             data, 4096, factory=make_wide_mlp, stream_groups=4, allow_recompute=False,
             stream_kwargs={"resident": resident, "update_chunk_mb": chunk})
@@ -381,10 +383,7 @@ def test_deferred_weight_grads_train_exactly_captured_and_take_the_gradient_off_
     del m0, o0
     peaks = {}
     for defer in (False, True):
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
+        base = settled_allocated()
 
         def factory(width, defer=defer):
             model = make_cnn_head(width)
@@ -416,10 +415,7 @@ def test_a_sliced_deferred_layer_streams_its_state_exactly_captured_and_off_the_
     del m0, o0
     peaks = {}
     for slice_mb in (None, 4):
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
+        base = settled_allocated()
 
         def factory(width):
             model = make_cnn_head(width)
@@ -807,10 +803,7 @@ def test_captures_leave_no_cublas_workspace_behind():
 
     def allocated_after(fn) -> int:
         fn()                  # model, optimizer and graph go with fn's frame
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated()
+        return settled_allocated()
 
     first = allocated_after(capture_one)
     assert allocated_after(capture_one) <= first + 2**20
