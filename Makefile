@@ -12,16 +12,38 @@ else
 TORCH_PINS := torch==2.9.1 torchvision==0.24.1
 endif
 
-.PHONY: venv test reproduce analysis report wheelhouse tvm-artifacts clean
+.PHONY: venv lock test reproduce analysis report wheelhouse tvm-artifacts clean
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# An x86_64 host without a GPU (CI) installs .ci/requirements-cpu.txt with --no-deps: the same
+# pins, less triton (0.9 GB of GPU-kernel compiler), so .venv is ~5.5 GB instead of ~6.4 GB.
+# `pip check` then fails the build if the lock misses anything else (run `make lock`).
+# CPU_LOCK=0 forces the full install; CPU_LOCK=1 forces the lock.
+ifeq ($(ARCH),x86_64)
+CPU_LOCK ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
+else
+CPU_LOCK ?= 0
+endif
+LOCK := .ci/requirements-cpu.txt
+
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+ifeq ($(CPU_LOCK),1)
+	$(PY) -m pip install -q --no-cache-dir --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-cache-dir --no-deps -e .
+	@missing="$$($(PY) -m pip check | grep -v ' requires triton, which is not installed')"; \
+	if [ -n "$$missing" ]; then echo "$$missing"; echo "$(LOCK) is stale: run 'make lock'" >&2; exit 1; fi
+else
 	$(PY) -m pip install -q --no-cache-dir $(TORCH_PINS)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-cache-dir -e '.[test]'
+endif
 	touch $@
+
+# Rewrite the CPU lock after changing pyproject.toml's dependencies or TORCH_PINS.
+lock:
+	$(PYTHON) .ci/cpu_lock.py $(TORCH_PINS) > $(LOCK).new && mv $(LOCK).new $(LOCK)
 
 test: venv
 	$(PY) -m pytest -q
