@@ -163,6 +163,13 @@ def validate(cfg, models: dict) -> None:
     if exp.get("stream_slice_mb") is not None and rs == AUTO:
         raise ConfigError("experiment.stream_slice_mb cannot go with stream_resident=auto "
                           "(tensile.tune_resident times whole groups): give a number of groups")
+    kept = exp.get("stream_slice_resident", 0)
+    if not isinstance(kept, int) or isinstance(kept, bool) or kept < 0:
+        raise ConfigError(f"experiment.stream_slice_resident must be a number of slices >= 0 "
+                          f"(the last ones keep their state on the device), got {kept!r}")
+    if kept and exp.get("stream_slice_mb") is None:
+        raise ConfigError(f"experiment.stream_slice_resident={kept} keeps slices' state on the "
+                          f"device: it needs experiment.stream_slice_mb, which makes the slices")
     dw = exp.get("defer_wgrad_mb")
     if dw is not None and (not isinstance(dw, (int, float)) or isinstance(dw, bool) or not dw >= 0):
         raise ConfigError(f"experiment.defer_wgrad_mb must be MiB >= 0 (linear layers with a weight "
@@ -379,7 +386,8 @@ def stream_opts(exp) -> dict[str, Any]:
             "stream_resident": _resident(exp),
             "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
             "stream_chunk_mb": _mb(exp, "stream_chunk_mb"),
-            "stream_slice_mb": _mb(exp, "stream_slice_mb")}
+            "stream_slice_mb": _mb(exp, "stream_slice_mb"),
+            "stream_slice_resident": int(exp.get("stream_slice_resident", 0))}
 
 
 def _mb(exp, key: str) -> float | None:
@@ -394,16 +402,18 @@ def stream_knobs(name: str, exp) -> list[str]:
         return []
     return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
                         _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
-                        _mb(exp, "stream_chunk_mb"), _mb(exp, "stream_slice_mb"))
+                        _mb(exp, "stream_chunk_mb"), _mb(exp, "stream_slice_mb"),
+                        int(exp.get("stream_slice_resident", 0)))
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
                  overhead: float = DEFAULT_STREAM_OVERHEAD, chunk_mb: float | None = None,
-                 slice_mb: float | None = None) -> list[str]:
+                 slice_mb: float | None = None, slice_resident: int = 0) -> list[str]:
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
     unless 1 (rows from before the default became 2 meant 1), resident unless 0, with
     ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`), and the
-    update's chunk and the large parameters' slices when there are. Also
+    update's chunk, the large parameters' slices and the slices kept on the device when there
+    are. Also
     ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
@@ -416,6 +426,8 @@ def stream_label(groups: int, prefetch: int, resident: int | str,
         knobs.append(f"stream_chunk={chunk_mb:g}")
     if slice_mb is not None:
         knobs.append(f"stream_slice={slice_mb:g}")
+    if slice_resident:
+        knobs.append(f"stream_slice_resident={slice_resident}")
     return knobs
 
 

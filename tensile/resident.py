@@ -230,7 +230,7 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
                      resident: int | str = 0, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
                      h2d_bw: float | None = None, d2h_bw: float | None = None,
                      update_chunk_mb: float | None = None,
-                     slice_mb: float | None = None) -> StreamedOptimizer:
+                     slice_mb: float | None = None, slice_resident: int = 0) -> StreamedOptimizer:
     """:func:`tensile.stream_optimizer` with ``resident`` a number of groups, or ``"auto"``:
     then every group starts resident, one training step creates the optimizer's state
     (it trains: a warm-up step), and :func:`tune_resident` chooses within ``max_overhead``
@@ -238,7 +238,8 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if resident != AUTO:
         if isinstance(resident, str):
             raise ValueError(f"resident: expected a number of groups or {AUTO!r}, got {resident!r}")
-        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb)
+        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb,
+                                slice_resident)
     if slice_mb is not None:
         raise ValueError(f"resident={AUTO!r} times whole groups: it cannot go with slice_mb "
                          f"({slice_mb!r}); give a number of resident groups")

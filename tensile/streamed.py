@@ -54,11 +54,19 @@ accumulate (as many as in the step before), so their copies run beside the rest 
 and at most ``prefetch + 1`` slices' state is on the device. A weight whose gradient
 :func:`tensile.defer_weight_grads` defers gives each slice its rows of the deferred product
 (``grad_out[:, rows].T @ input``: the product's rows, bit for bit), so the whole gradient is
-never made. ``resident`` counts the other groups; a slice's state always streams. Measured
-on VGG-16 at b=16 (H100, 67th session, ``results/h100-80gb-hbm3/README.md``), fc6's state off
-the device took the step under the TENSILE authors' memory saving with no plan (MSR 0.33-0.38),
-but the step took 26-28 ms instead of 19: 784 MiB each way a step, over a link that carried
-46.7 GB/s each way with both directions busy, from backward's first gradient on.
+never made. ``resident`` counts the other groups. Measured on VGG-16 at b=16 (H100, 67th
+session, ``results/h100-80gb-hbm3/README.md``), fc6's state off the device took the step under
+the TENSILE authors' memory saving with no plan (MSR 0.33-0.38), but the step took 26-28 ms
+instead of 19: 784 MiB each way a step, over a link that carried 46.7 GB/s each way with both
+directions busy, from backward's first gradient on.
+
+``slice_resident=k`` keeps the state of the last ``k`` slices backward updates on the device,
+so fewer bytes cross the link (a copy that would end the step goes first). A parameter with
+some slices kept keeps its whole state in the host region, which stays the state
+``optimizer.state`` and ``state_dict()`` show. The kept slices' rows also live in device
+buffers, which their updates read and write. :meth:`StreamedOptimizer.synchronize` (which
+``state_dict()`` calls) copies those rows into the region. A parameter whose slices are all
+kept keeps its state on the device, like a resident group.
 
 The first groups backward updates come in during backward's short start (ResNet-50's layer 4
 holds most of its weights), faster than two copy engines can carry them: ``resident=k``
@@ -124,6 +132,7 @@ class _Group:
     slot: "_Slot | None" = None           # the device slot holding its state during the update
     in_done: object = None                # CUDA event: the copy into the slot has landed
     rows: tuple[int, int] | None = None   # a slice: flat elements [a, b) of its one parameter
+    dev: list[torch.Tensor] | None = None  # a kept slice: its rows of each state entry, on the device
 
 
 @dataclass(eq=False)   # slots compare by identity (list.remove, ``in``)
@@ -144,7 +153,8 @@ def streamed_of(optimizer: torch.optim.Optimizer) -> "StreamedOptimizer | None":
 def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
                      prefetch: int = DEFAULT_PREFETCH, resident: int = 0,
                      update_chunk_mb: float | None = None,
-                     slice_mb: float | None = None) -> "StreamedOptimizer":
+                     slice_mb: float | None = None,
+                     slice_resident: int = 0) -> "StreamedOptimizer":
     """Run ``optimizer``'s update inside backward, a group of parameters at a time, with its
     state in host memory (see the module notes); ``prefetch`` groups' state is copied in ahead
     of the group updating (:data:`DEFAULT_PREFETCH`); the first ``resident`` groups backward
@@ -154,8 +164,10 @@ def stream_optimizer(optimizer: torch.optim.Optimizer, groups: int = 16,
     bounds the optimizer's temporaries (None: a group at once); ``slice_mb``: a parameter larger
     than that many MiB streams its state in row slices of about that size, each its own group,
     updated across the rest of backward (module notes; ``resident`` then counts the other
-    groups). Returns the handle; ``.remove()`` undoes it."""
-    return StreamedOptimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb)
+    groups); ``slice_resident``: the last that many slices backward updates keep their state on
+    the device (module notes). Returns the handle; ``.remove()`` undoes it."""
+    return StreamedOptimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb,
+                             slice_resident)
 
 
 class StreamedOptimizer:
@@ -168,7 +180,7 @@ class StreamedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, groups: int = 16,
                  prefetch: int = DEFAULT_PREFETCH,
                  resident: int = 0, update_chunk_mb: float | None = None,
-                 slice_mb: float | None = None) -> None:
+                 slice_mb: float | None = None, slice_resident: int = 0) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -190,6 +202,13 @@ class StreamedOptimizer:
             if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float))
                                    or not mb > 0):
                 raise ValueError(f"{name}: expected MiB > 0 ({what}) or None, got {mb!r}")
+        if isinstance(slice_resident, bool) or not isinstance(slice_resident, int) \
+                or slice_resident < 0:
+            raise ValueError(f"slice_resident: expected an int >= 0 (the last slices whose state "
+                             f"stays on the device), got {slice_resident!r}")
+        if slice_resident and slice_mb is None:
+            raise ValueError(f"slice_resident={slice_resident} keeps slices' state on the device: "
+                             f"it needs slice_mb, which makes the slices")
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         if not params:
             raise ValueError("the optimizer has no parameters that require gradients")
@@ -210,6 +229,10 @@ class StreamedOptimizer:
         for i, g in enumerate(self.groups):
             if g.rows is not None:
                 self._slices_of.setdefault(id(g.params[0]), []).append(i)
+        # the last slices backward updates, whose state stays on the device
+        sliced = [i for i, g in enumerate(self.groups) if g.rows is not None]
+        self._kept = set(sliced[len(sliced) - min(slice_resident, len(sliced)):])
+        self.slice_resident = len(self._kept)
         # a parameter's group; a sliced one's first slice (whose keys and region all share)
         self._group_of = {id(p): i for i, g in reversed(list(enumerate(self.groups))) for p in g.params}
         self._row_grads: dict[int, Callable] = {}    # id(parameter) -> rows' gradient (deferred)
@@ -259,8 +282,14 @@ class StreamedOptimizer:
     def synchronize(self) -> None:
         """Wait for the state's copies to the host: the host regions are final afterwards.
         ``optimizer.state_dict()`` does it; read ``optimizer.state`` directly only after it."""
-        if self.cuda and not torch.cuda.is_current_stream_capturing():
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return
+        if self.cuda:
             torch.cuda.synchronize(self.device)
+        for g in self._kept:   # the kept slices' rows: their device buffers are the newer
+            grp = self.groups[g]
+            for host, dev in zip(self._host_rows(grp), grp.dev or []):
+                host.copy_(dev)
 
     def set_resident(self, resident: int) -> None:
         """Keep the state of backward's first ``resident`` groups on the device from now on
@@ -287,7 +316,7 @@ class StreamedOptimizer:
                     state = self.optimizer.state[p]
                     state[key] = state[key].to(self.device, copy=True)
                     moved.add((id(p), key))
-            g.keys, g.host = [], None
+            g.keys, g.host, g.dev = [], None, None
 
     def _sliced_params(self) -> list[torch.Tensor]:
         """The parameters cut into slices, each once."""
@@ -297,6 +326,8 @@ class StreamedOptimizer:
         """The groups whose state lives on the host: every slice, and the other groups from
         the ``resident``-th on."""
         resident = set(self._whole[:self.resident])
+        resident |= {i for slices in self._slices_of.values() if self._kept.issuperset(slices)
+                     for i in slices}
         return [i for i in range(len(self.groups)) if i not in resident]
 
     def homes(self, p: torch.Tensor, key: str) -> bool:
@@ -311,6 +342,7 @@ class StreamedOptimizer:
             raise RuntimeError("the optimizer's state must be in host memory before a capture: "
                                "run one step first")
         homed: dict[int, _Group] = {}   # id(parameter) -> its first slice, once homed
+        fresh: set[int] = set()         # id(parameter): a sliced one's region made just now
         for i in self._streamed_groups():
             g = self.groups[i]
             wanted = [(p, key) for p in g.params for key, v in self.optimizer.state.get(p, {}).items()
@@ -320,7 +352,7 @@ class StreamedOptimizer:
                 g.keys, g.host = first.keys, first.host
                 continue
             if g.host is not None and wanted == [(p, k) for p, k, _, _ in g.keys] and \
-                    all(self.optimizer.state[p][k].device.type == "cpu" for p, k in wanted):
+                    all(_in_region(self.optimizer.state[p][k], g.host) for p, k in wanted):
                 if g.rows is not None:
                     homed[id(g.params[0])] = g
                 continue    # homed already
@@ -342,6 +374,13 @@ class StreamedOptimizer:
             g.keys, g.host = keys, host
             if g.rows is not None:
                 homed[id(g.params[0])] = g
+                fresh.add(id(g.params[0]))
+        for i in sorted(self._kept):   # a kept slice's rows on the device, from a new region
+            g = self.groups[i]
+            if g.host is None:           # every slice of its parameter kept, or no state yet
+                g.dev = None
+            elif g.dev is None or id(g.params[0]) in fresh:
+                g.dev = [host.to(self.device, copy=True) for host in self._host_rows(g)]
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -485,21 +524,25 @@ class StreamedOptimizer:
         if grp.rows is None:
             n = grp.host.numel()
             return [(grp.host, slot.device[:n])]
-        a, b = grp.rows
         pairs, off = [], 0
-        for p, key, host_off, n in grp.keys:
-            host = self.optimizer.state[p][key].view(-1)[a:b]   # between steps: the host's
+        for host in self._host_rows(grp):
             nbytes = host.numel() * host.element_size()
             pairs.append((host, slot.device[off:off + nbytes].view(host.dtype)))
             off += -(-nbytes // 512) * 512
         return pairs
+
+    def _host_rows(self, grp: _Group) -> list[torch.Tensor]:
+        """A slice's rows of each state entry in its parameter's host region (flat)."""
+        a, b = grp.rows
+        return [self.optimizer.state[p][key].view(-1)[a:b]   # between steps: the host's
+                for p, key, _, _ in grp.keys]
 
     def _update(self, g: int) -> None:
         """Group ``g``'s update on its streamed-in state; the state goes back to the host."""
         grp = self.groups[g]
         if self._marks is not None:
             self._marks(g)
-        if grp.host is not None and grp.slot is None:   # out of backward's order, or no free slot
+        if grp.host is not None and grp.dev is None and grp.slot is None:   # out of order, or no free slot
             self._bring_in(g, self._new_slot(_slot_bytes(grp)))
         state = self.optimizer.state
         slot = grp.slot
@@ -554,7 +597,7 @@ class StreamedOptimizer:
     def _wants_slot(self, g: int) -> bool:
         """Whether group ``g`` is streamed and not yet in a slot or updated this step."""
         grp = self.groups[g]
-        return grp.host is not None and g not in self._done and grp.slot is None
+        return grp.host is not None and grp.dev is None and g not in self._done and grp.slot is None
 
     def _to_bring_in(self) -> bool:
         """Whether a group still has to come into a slot this step."""
@@ -611,7 +654,8 @@ class StreamedOptimizer:
     def _step_slice(self, g: int) -> None:
         """Slice group ``g``'s update (:meth:`_step_piece`): its rows of the parameter, their
         gradient (the deferred product's rows, or the gradient's) and their state in its slot
-        (or on the device, where nothing is streamed). The parameter's last slice this step
+        (or its kept rows on the device, or the state itself where nothing streams). The
+        parameter's last slice this step
         writes the step count back and drops the gradient."""
         grp = self.groups[g]
         p, (a, b) = grp.params[0], grp.rows
@@ -628,9 +672,9 @@ class StreamedOptimizer:
         row = p.numel() // p.shape[0]
         grad = rows_grad(a // row, b // row).view(-1) if rows_grad is not None \
             else p.grad.view(-1)[a:b]
-        in_slot = None if grp.slot is None else \
+        moments = grp.dev if grp.dev is not None else None if grp.slot is None else \
             [dev for _, dev in self._host_and_slot(grp, grp.slot)]
-        last = self._step_piece(p, a, b, grad, in_slot)
+        last = self._step_piece(p, a, b, grad, moments)
         if all(j in self._done for j in self._slices_of[id(p)] if j != g):   # the last slice
             _write_back(p, st, last)
             p.grad = None
@@ -778,7 +822,7 @@ def _write_back(p: torch.Tensor, st: dict, last: dict) -> None:
 
 def _slot_bytes(g: _Group) -> int:
     """The device bytes group ``g``'s state takes in a slot (0: not streamed)."""
-    if g.host is None:
+    if g.host is None or g.dev is not None:
         return 0
     if g.rows is None:
         return g.host.numel()
@@ -802,6 +846,12 @@ def _subgroups(param_groups: list[dict], params: list) -> list[dict]:
         if mine:
             out.append({**pg, "params": mine})
     return out
+
+
+def _in_region(v: torch.Tensor, region: torch.Tensor) -> bool:
+    """Whether ``v`` is a view of ``region``'s memory (not, say, a tensor ``load_state_dict``
+    made, which on a CPU run is on the region's device too)."""
+    return v.untyped_storage().data_ptr() == region.untyped_storage().data_ptr()
 
 
 def _view(region: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """tensile.stream_optimizer on the CPU: updates inside backward, state in host regions."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -519,12 +521,13 @@ def head_batches(n: int):
             for _ in range(n)]
 
 
-def train_head(data, slice_mb=None, defer=False, resident=0, **adam):
+def train_head(data, slice_mb=None, defer=False, resident=0, slice_resident=0, **adam):
     model = make_head()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **adam)
     handle = tensile.defer_weight_grads(model, min_mb=0.005) if defer else None
     streamed = None if slice_mb is False else \
-        tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=resident, slice_mb=slice_mb)
+        tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=resident, slice_mb=slice_mb,
+                                 slice_resident=slice_resident)
     for b in data:
         training_step(model, opt, b, LOSS)
     return model, opt, streamed, handle
@@ -596,6 +599,62 @@ def test_a_sliced_state_round_trips_and_remove_brings_it_back_whole():
     assert_same_training(m0, o0, model, opt)
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["gradient", "deferred"])
+@pytest.mark.parametrize("kept", [2, 3])
+def test_kept_slices_train_bit_for_bit_with_no_copies_and_their_rows_on_the_device(kept, defer):
+    """``slice_resident``: the last slices backward updates keep their state on the device.
+    With 2 that is every slice of the first layer's weight: its state stays on the device whole.
+    With 3 it is also the last slice of the 12 KiB weight, whose other rows still stream: its
+    rows live in device buffers, and the host region has them only after ``synchronize()``."""
+    data = head_batches(5)
+    m0, o0, _, _ = train_head(data, slice_mb=False)
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tensile.defer_weight_grads(model, min_mb=0.005) if defer else None
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, slice_mb=4 / 1024,
+                                        slice_resident=kept)
+    brought_in = []
+    bring_in = streamed._bring_in
+    streamed._bring_in = lambda g, slot: (brought_in.append(g), bring_in(g, slot))[-1]
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    slices = [i for i, g in enumerate(streamed.groups) if g.rows is not None]
+    assert streamed.slice_resident == kept and streamed._kept == set(slices[-kept:])
+    assert brought_in and not set(brought_in) & streamed._kept   # the kept ones never copied
+    assert not streamed.homes(model[0].weight, "exp_avg")          # every slice kept: on the device
+    assert streamed.homes(model[2].weight, "exp_avg")              # some rows still stream
+    partial = [g for g in streamed._kept if streamed.groups[g].params[0] is model[2].weight]
+    if partial:   # the host region's kept rows are stale until synchronize() writes them
+        (a, b), = [streamed.groups[g].rows for g in partial]
+        ref = o0.state[m0[2].weight]["exp_avg"].view(-1)
+        host = opt.state[model[2].weight]["exp_avg"].view(-1)
+        assert torch.equal(host[:a], ref[:a]) and not torch.equal(host[a:b], ref[a:b])
+        assert torch.equal(streamed.groups[partial[0]].dev[0], ref[a:b])
+    streamed.synchronize()
+    assert_same_training(m0, o0, model, opt)
+    assert streamed.updates_in_backward == 4 * len(streamed.groups) and streamed.late_updates == 0
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+def test_kept_slices_round_trip_through_state_dict_and_remove(kept):
+    """``state_dict()`` gives the kept rows' newest values, ``load_state_dict`` of an older
+    state puts its values back (in a new host region, the kept rows on the device), and
+    ``remove()`` brings the whole state back: training goes on exactly. With none kept this
+    caught the CPU run taking loaded tensors for views of the old region."""
+    data = head_batches(5)
+    m0, o0, _, _ = train_head(data, slice_mb=False)
+    model, opt, streamed, _ = train_head(data[:2], slice_mb=4 / 1024, slice_resident=kept)
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    training_step(model, opt, data[2], LOSS)   # moves everything on, the kept rows too
+    opt.load_state_dict(saved_opt)             # ... and back: the kept rows from what was saved
+    model.load_state_dict(saved_model)
+    for b in data[2:]:
+        training_step(model, opt, b, LOSS)
+    streamed.remove()
+    assert all(g.dev is None for g in streamed.groups)
+    assert_same_training(m0, o0, model, opt)
+
+
 def test_slices_refuse_a_bad_size_and_resident_auto():
     model = make_head()
     opt = torch.optim.Adam(model.parameters())
@@ -605,6 +664,12 @@ def test_slices_refuse_a_bad_size_and_resident_auto():
                                          r"slice_mb"):
         install_streamed(model, opt, head_batches(1)[0], LOSS, groups=3, prefetch=1,
                                  resident="auto", slice_mb=1.0)
+    with pytest.raises(ValueError, match=r"slice_resident=2 keeps slices' state on the device: "
+                                         r"it needs slice_mb"):
+        tensile.stream_optimizer(opt, groups=3, slice_resident=2)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=r"slice_resident: expected an int >= 0"):
+            tensile.stream_optimizer(opt, groups=3, slice_mb=4 / 1024, slice_resident=bad)
     streamed = tensile.stream_optimizer(opt, groups=3, slice_mb=4 / 1024)
     with pytest.raises(ValueError, match=r"resident: expected an int from 0 to 3 \(the groups "
                                          r"that are not a parameter's slices\)"):
@@ -613,27 +678,32 @@ def test_slices_refuse_a_bad_size_and_resident_auto():
         tensile.tune_resident(streamed, model, head_batches(1)[0], LOSS)
 
 
-def test_a_scheduler_plans_and_runs_a_sliced_deferred_step_exactly():
+@pytest.mark.parametrize("kept", [0, 3])
+def test_a_scheduler_plans_and_runs_a_sliced_deferred_step_exactly(kept):
     """Recorded, planned and run by TENSILE (simulation), the step with the deferred weight's
-    state streamed in slices trains like the plain step; the moments of the sliced weights
-    are no device tensors of the recording."""
+    state streamed in slices trains like the plain step (the last ``kept`` slices' state on
+    the device too); the moments of the sliced weights are no device tensors of the
+    recording."""
     data = head_batches(8)
     m0, o0, _, _ = train_head(data, slice_mb=False)
     model = make_head()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     tensile.defer_weight_grads(model, min_mb=0.005)
-    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=3, slice_mb=4 / 1024)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=3, slice_mb=4 / 1024,
+                                        slice_resident=kept)
     sched = tensile.Scheduler(model, opt, data[0], LOSS, budget=1, allow_cross_iteration=False,
                               allow_recompute=False, d2h_bw=1e10, h2d_bw=1e10,
                               peak_flops=1e12, peak_bytes_per_s=1e11)
     params = list(model.parameters())
     moments = {(tuple(params[i].shape), key) for i, key in sched.recording.opt_state_keys.values()
                if key != "step"}
-    assert moments == {(shape, key) for shape in [(10, 48), (10,), (48,), (64,)]
-                       for key in ("exp_avg", "exp_avg_sq")}   # the resident groups' only
+    on_device = [(10, 48), (10,), (48,), (64,)] + ([(64, 32)] if kept >= 2 else [])
+    assert moments == {(shape, key) for shape in on_device   # the resident groups' only, and
+                       for key in ("exp_avg", "exp_avg_sq")}   # a weight whose slices are all kept
     for b in data:
         sched.step(*b)
     assert streamed.late_updates == 0
+    streamed.synchronize()
     assert_same_training(m0, o0, model, opt)
 
 
