@@ -9,7 +9,9 @@ timeline (``AccessTimeline.transfers``, in the order they were issued). For each
 drops the copies of the last ``k`` slices, which are the last ``entries * k`` copies each way
 (Adam's two moments a slice by default). Their state would stay on the device for the whole
 step (``experiment.stream_slice_resident=k``), so its bytes come off the budget. The step is
-then planned with the snapshot's options.
+then planned with the snapshot's options. The other copies stay where the recording issued
+them. With slices kept, :func:`tensile.stream_optimizer` spreads them over the whole rest of
+backward instead, which this does not model.
 
 It prints, for each ``k``: the state kept, the bytes still streamed each way, the peak without a
 plan and the plan's (both with the kept state), whether the plan fits, its price, what it

@@ -61,7 +61,8 @@ instead of 19: 784 MiB each way a step, over a link that carried 46.7 GB/s each 
 directions busy, from backward's first gradient on.
 
 ``slice_resident=k`` keeps the state of the last ``k`` slices backward updates on the device,
-so fewer bytes cross the link (a copy that would end the step goes first). A parameter with
+so fewer bytes cross the link. Those slices update as soon as their gradient is there, and the
+streamed ones spread over the rest of backward. A parameter with
 some slices kept keeps its whole state in the host region, which stays the state
 ``optimizer.state`` and ``state_dict()`` show. The kept slices' rows also live in device
 buffers, which their updates read and write. :meth:`StreamedOptimizer.synchronize` (which
@@ -413,8 +414,15 @@ class StreamedOptimizer:
         """``p``'s gradient is there: its slices join the queue, and every queued slice goes
         one at a time, due evenly over the hooks still to come this step (as many as came in
         the last step), in the queue's order (the ring's), so their copies run beside the
-        rest of backward instead of the compute stream waiting for them all at once."""
-        self._queue += self._slices_of[id(p)]
+        rest of backward instead of the compute stream waiting for them all at once. Kept
+        slices (``slice_resident``) have no copies to spread: they go at once, and the
+        streamed ones spread over the whole rest of backward."""
+        slices = self._slices_of[id(p)]
+        for g in slices:
+            if g in self._kept:
+                self._update(g)
+                self.updates_in_backward += 1
+        self._queue += [g for g in slices if g not in self._kept]
         later = max(self._hooks_total - self._hooks_seen, 0)
         self._due = [self._hooks_seen + (k * later) // len(self._queue)
                      for k in range(len(self._queue))]

@@ -583,6 +583,25 @@ def test_slices_go_one_at_a_time_over_the_gradients_still_to_come():
     assert streamed._hooks_total == 6
 
 
+def test_kept_slices_go_at_once_and_the_streamed_ones_spread_over_the_rest():
+    """With the last 3 slices kept, the 12 KiB weight's last slice updates at once (hook 4)
+    and its two streamed slices spread over the two hooks still to come (4 and 5, where
+    with none kept all three share them); the 8 KiB weight's kept slices go at hook 6."""
+    data = head_batches(3)
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, slice_mb=4 / 1024,
+                                        slice_resident=3)
+    order = []
+    update = streamed._update
+    streamed._update = lambda g: (order.append((g, streamed._hooks_seen)), update(g))[-1]
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    seen = dict(order[-len(streamed.groups):])
+    slices = [i for i, g in enumerate(streamed.groups) if g.rows is not None]
+    assert [seen[g] for g in slices] == [4, 5, 4, 6, 6]
+
+
 def test_a_sliced_state_round_trips_and_remove_brings_it_back_whole():
     data = head_batches(4)
     m0, o0, _, _ = train_head(data, slice_mb=False)
