@@ -95,6 +95,14 @@ def report(snap: PlanningSnapshot, tl: AccessTimeline, search: bool) -> dict:
             "recomputes": len(plan.recomputes), "floor_ms": bound.extra_ms}
 
 
+def plan_summary(r: dict) -> str:
+    """The plan part of a :func:`report` line: whether it fits, its price, what it moves and
+    the floor."""
+    floor = "none reaches the budget" if r["floor_ms"] is None else f"{r['floor_ms']:.3f} ms"
+    return (f"({'fits' if r['feasible'] else 'does not fit'}), priced {r['priced_ms']:.3f} ms, "
+            f"{r['swaps']} swaps, {r['recomputes']} recomputes; floor {floor}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("snapshot")
@@ -108,12 +116,9 @@ def main(argv: list[str] | None = None) -> None:
         print(NO_WORKSPACES)
     for name, tl in (("as recorded", snap.timeline), (f"ops {args.ops} last", moved)):
         r = report(snap, tl, args.search)
-        floor = "none reaches the budget" if r["floor_ms"] is None else f"{r['floor_ms']:.3f} ms"
         print(f"{name}: unplanned peak {r['peak_mib']:.0f} MiB at {r['peak_op']} {r['held_mib']}; "
               f"plan {r['plan_peak_mib']:.0f} MiB at {r['plan_peak_op']} {r['plan_held_mib']} "
-              f"({'fits' if r['feasible'] else 'does not fit'}), "
-              f"priced {r['priced_ms']:.3f} ms, {r['swaps']} swaps, {r['recomputes']} recomputes; "
-              f"floor {floor}")
+              f"{plan_summary(r)}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import replace
 from tqdm import tqdm
 
 from experiments.cli import int_list
-from experiments.defer_whatif import MIB, NO_WORKSPACES, report
+from experiments.defer_whatif import MIB, NO_WORKSPACES, plan_summary, report
 from tensile.snapshot import PlanningSnapshot
 from tensile.timeline import AccessTimeline
 
@@ -82,13 +82,10 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(str(exc))
         r = report(replace(snap, timeline=left, budget_bytes=budget - kept), left, args.search)
         moved = sum(b for _, d, b in left.transfers if d == "d2h")
-        floor = "none reaches the budget" if r["floor_ms"] is None else f"{r['floor_ms']:.3f} ms"
         tqdm.write(f"{k} kept: state {kept / MIB:.0f} MiB on the device, {moved / MIB:.0f} MiB each "
                    f"way; unplanned peak {(r['peak_mib'] + kept / MIB):.0f} MiB; plan "
                    f"{(r['plan_peak_mib'] + kept / MIB):.0f} MiB at {r['plan_peak_op']} "
-                   f"({'fits' if r['feasible'] else 'does not fit'}), priced "
-                   f"{r['priced_ms']:.3f} ms, {r['swaps']} swaps, {r['recomputes']} recomputes; "
-                   f"floor {floor}")
+                   f"{plan_summary(r)}")
 
 
 if __name__ == "__main__":

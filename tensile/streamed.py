@@ -135,6 +135,11 @@ class _Group:
     rows: tuple[int, int] | None = None   # a slice: flat elements [a, b) of its one parameter
     dev: list[torch.Tensor] | None = None  # a kept slice: its rows of each state entry, on the device
 
+    @property
+    def streams(self) -> bool:
+        """Whether its state is copied in and out each step (in a host region, not kept)."""
+        return self.host is not None and self.dev is None
+
 
 @dataclass(eq=False)   # slots compare by identity (list.remove, ``in``)
 class _Slot:
@@ -226,12 +231,11 @@ class StreamedOptimizer:
         self._whole = [i for i, g in enumerate(self.groups) if g.rows is None]
         self.resident = min(resident, len(self._whole))
         self.update_chunk = None if update_chunk_mb is None else max(1, int(update_chunk_mb * 2**20))
-        self._slices_of: dict[int, list[int]] = {}   # id(parameter) -> its slices' groups
-        for i, g in enumerate(self.groups):
-            if g.rows is not None:
-                self._slices_of.setdefault(id(g.params[0]), []).append(i)
-        # the last slices backward updates, whose state stays on the device
         sliced = [i for i, g in enumerate(self.groups) if g.rows is not None]
+        self._slices_of: dict[int, list[int]] = {}   # id(parameter) -> its slices' groups
+        for i in sliced:
+            self._slices_of.setdefault(id(self.groups[i].params[0]), []).append(i)
+        # the last slices backward updates, whose state stays on the device
         self._kept = set(sliced[len(sliced) - min(slice_resident, len(sliced)):])
         self.slice_resident = len(self._kept)
         # a parameter's group; a sliced one's first slice (whose keys and region all share)
@@ -396,8 +400,7 @@ class StreamedOptimizer:
             g = self._group_of[id(p)]
             self._ready[g] = self._ready.get(g, 0) + 1
             if self._ready[g] == len(self.groups[g].params):
-                self._update(g)
-                self.updates_in_backward += 1
+                self._backward_update(g)
         self._pace()
 
     def _on_rows(self, p: torch.Tensor, rows_grad: Callable[[int, int], torch.Tensor]) -> bool:
@@ -420,8 +423,7 @@ class StreamedOptimizer:
         slices = self._slices_of[id(p)]
         for g in slices:
             if g in self._kept:
-                self._update(g)
-                self.updates_in_backward += 1
+                self._backward_update(g)
         self._queue += [g for g in slices if g not in self._kept]
         later = max(self._hooks_total - self._hooks_seen, 0)
         self._due = [self._hooks_seen + (k * later) // len(self._queue)
@@ -430,10 +432,13 @@ class StreamedOptimizer:
     def _pace(self) -> None:
         """Update the queued slices that are due by now."""
         while self._queue and self._due[0] <= self._hooks_seen:
-            g = self._queue.pop(0)
             self._due.pop(0)
-            self._update(g)
-            self.updates_in_backward += 1
+            self._backward_update(self._queue.pop(0))
+
+    def _backward_update(self, g: int) -> None:
+        """Group ``g``'s update run from backward's hooks (counted)."""
+        self._update(g)
+        self.updates_in_backward += 1
 
     def _begin(self) -> None:
         """Backward's first gradient: the first groups' state into the ring's slots."""
@@ -550,7 +555,7 @@ class StreamedOptimizer:
         grp = self.groups[g]
         if self._marks is not None:
             self._marks(g)
-        if grp.host is not None and grp.dev is None and grp.slot is None:   # out of order, or no free slot
+        if grp.streams and grp.slot is None:   # out of backward's order, or no free slot
             self._bring_in(g, self._new_slot(_slot_bytes(grp)))
         state = self.optimizer.state
         slot = grp.slot
@@ -605,7 +610,7 @@ class StreamedOptimizer:
     def _wants_slot(self, g: int) -> bool:
         """Whether group ``g`` is streamed and not yet in a slot or updated this step."""
         grp = self.groups[g]
-        return grp.host is not None and grp.dev is None and g not in self._done and grp.slot is None
+        return grp.streams and g not in self._done and grp.slot is None
 
     def _to_bring_in(self) -> bool:
         """Whether a group still has to come into a slot this step."""
@@ -830,7 +835,7 @@ def _write_back(p: torch.Tensor, st: dict, last: dict) -> None:
 
 def _slot_bytes(g: _Group) -> int:
     """The device bytes group ``g``'s state takes in a slot (0: not streamed)."""
-    if g.host is None or g.dev is not None:
+    if not g.streams:
         return 0
     if g.rows is None:
         return g.host.numel()
