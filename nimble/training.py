@@ -208,20 +208,30 @@ def _wait_for_host_state(module: nn.Module, optimizer: torch.optim.Optimizer) ->
         torch.cuda.synchronize(device)
 
 
-def save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Clones of the module's state and of the optimizer's state tensors, for
-    :func:`put_back_step_state` after warm-up steps or timing replays that train."""
+def _state_beside(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Optimizer state that lives outside ``optimizer.state`` during training: the rows a
+    streamed optimizer keeps on the device (``tensile.stream_optimizer(slice_resident=k)``),
+    newer than their host copies between steps. Saved and put back with the rest."""
+    streamed = getattr(optimizer, "_tensile_streamed", None)
+    return streamed.device_rows() if streamed is not None else []
+
+
+def save_step_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict, list]:
+    """Clones of the module's state and of the optimizer's state tensors (those a streamed
+    optimizer keeps beside ``optimizer.state`` too), for :func:`put_back_step_state` after
+    warm-up steps or timing replays that train."""
     _wait_for_host_state(module, optimizer)
     return ({k: v.detach().clone() for k, v in module.state_dict().items()},
             {p: {k: v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-             for p, st in optimizer.state.items()})
+             for p, st in optimizer.state.items()},
+            [t.detach().clone() for t in _state_beside(optimizer)])
 
 
 def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
-                        saved: tuple[dict, dict], grads: Sequence[torch.Tensor | None]) -> None:
+                        saved: tuple[dict, dict, list], grads: Sequence[torch.Tensor | None]) -> None:
     """Module and optimizer state back *in place* (a captured graph keeps using those
     addresses), ``grads`` zeroed; optimizer state created since the save becomes zeros."""
-    model_state, opt_state = saved
+    model_state, opt_state, beside = saved
     _wait_for_host_state(module, optimizer)
     with torch.no_grad():
         for k, v in module.state_dict().items():
@@ -229,6 +239,13 @@ def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
         for g in grads:
             if g is not None:
                 g.zero_()
+        now = _state_beside(optimizer)
+        if beside and [t.shape for t in now] != [t.shape for t in beside]:
+            raise RuntimeError(f"the streamed optimizer's device rows changed since the save "
+                               f"({len(beside)} tensors then, {len(now)} now): its state was "
+                               f"re-homed between save_step_state and put_back_step_state")
+        for i, v in enumerate(now):   # made since the save (no state then): zeros, as below
+            v.copy_(beside[i]) if beside else v.zero_()
     _zero_or_restore_optimizer(optimizer, opt_state)
 
 

@@ -296,6 +296,12 @@ class StreamedOptimizer:
             for host, dev in zip(self._host_rows(grp), grp.dev or []):
                 host.copy_(dev)
 
+    def device_rows(self) -> list[torch.Tensor]:
+        """The state rows the kept slices (``slice_resident``) hold on the device: between
+        steps the newer copy of those rows (:meth:`synchronize` writes them to the host).
+        ``nimble.training.save_step_state`` saves them with ``optimizer.state``."""
+        return [t for g in sorted(self._kept) for t in (self.groups[g].dev or [])]
+
     def set_resident(self, resident: int) -> None:
         """Keep the state of backward's first ``resident`` groups on the device from now on
         (0 to ``len(groups)``), the others' in host memory. Not during a step or a capture:

@@ -9,6 +9,7 @@ from torch import nn
 
 import tensile
 from tensile.resident import install_streamed
+from nimble.training import step_state_kept
 from tensile.step import training_step
 
 LOSS = nn.functional.cross_entropy
@@ -671,6 +672,27 @@ def test_kept_slices_round_trip_through_state_dict_and_remove(kept):
         training_step(model, opt, b, LOSS)
     streamed.remove()
     assert all(g.dev is None for g in streamed.groups)
+    assert_same_training(m0, o0, model, opt)
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+def test_steps_inside_step_state_kept_leave_no_trace_on_the_kept_rows(kept):
+    """``nimble.training.step_state_kept`` (around a capture's warm-up and timing replays)
+    puts back the rows kept slices hold on the device too, not only ``optimizer.state``:
+    training goes on as if the steps inside had not run. Before the fix the kept rows kept
+    those steps' moments (an H100 run of the captured GPU test caught it)."""
+    data = head_batches(6)
+    m0, o0, _, _ = train_head(data[:2] + data[3:], slice_mb=False)
+    model, opt, streamed, _ = train_head(data[:2], slice_mb=4 / 1024, slice_resident=kept)
+    rows_before = [t.clone() for t in streamed.device_rows()]
+    assert len(rows_before) == (2 if kept else 0)   # one partly kept weight: Adam's two moments
+    with step_state_kept(model, opt):
+        training_step(model, opt, data[2], LOSS)
+        assert kept == 0 or not torch.equal(streamed.device_rows()[0], rows_before[0])
+    assert all(torch.equal(a, b) for a, b in zip(rows_before, streamed.device_rows()))
+    for b in data[3:]:
+        training_step(model, opt, b, LOSS)
+    streamed.synchronize()
     assert_same_training(m0, o0, model, opt)
 
 
