@@ -619,17 +619,19 @@ def test_a_sliced_state_round_trips_and_remove_brings_it_back_whole():
     assert_same_training(m0, o0, model, opt)
 
 
+@pytest.mark.parametrize("fused", [None, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("defer", [False, True], ids=["gradient", "deferred"])
 @pytest.mark.parametrize("kept", [2, 3])
-def test_kept_slices_train_bit_for_bit_with_no_copies_and_their_rows_on_the_device(kept, defer):
+def test_kept_slices_train_bit_for_bit_with_no_copies_and_their_rows_on_the_device(kept, defer,
+                                                                                   fused):
     """``slice_resident``: the last slices backward updates keep their state on the device.
     With 2 that is every slice of the first layer's weight: its state stays on the device whole.
     With 3 it is also the last slice of the 12 KiB weight, whose other rows still stream: its
     rows live in device buffers, and the host region has them only after ``synchronize()``."""
     data = head_batches(5)
-    m0, o0, _, _ = train_head(data, slice_mb=False)
+    m0, o0, _, _ = train_head(data, slice_mb=False, fused=fused)
     model = make_head()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
     tensile.defer_weight_grads(model, min_mb=0.005) if defer else None
     streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, slice_mb=4 / 1024,
                                         slice_resident=kept)
