@@ -19,8 +19,8 @@ moves, and the least any plan could be priced at (``tensile.bound``). The op tim
 recorded step's own, its waits on the copies included. This is the planner's cost model, not a
 measurement: the GPU run with ``stream_slice_resident`` is the test of it. On VGG-16 it was
 right about memory and wrong about time (H100, 69th session): 6 kept fit the budget as it said,
-but the step took 22.2-22.3 ms where the copies' time alone put it at 19-21. The kept slices'
-updates stay in the step, one row product and one optimizer call each, and those cost the step
+but the step took 22.2-22.3 ms where the copies' time alone put it at 19-21. Every slice's
+update, kept or streamed, is one row product and one optimizer call, and those cost the step
 about 1.8 ms over updating fc6 in 64 MiB chunks, which this does not model.
 
 ``--budget-mib`` replaces the snapshot's budget. A run that matched a memory saving
