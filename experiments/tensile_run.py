@@ -400,10 +400,10 @@ def stream_knobs(name: str, exp) -> list[str]:
     """The ``stream_*`` options of a streamed method, as its label shows them."""
     if name not in STREAMED or not exp.get("stream_optimizer", 0):
         return []
-    return stream_label(int(exp.stream_optimizer), int(exp.get("stream_prefetch", DEFAULT_PREFETCH)),
-                        _resident(exp), float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
-                        _mb(exp, "stream_chunk_mb"), _mb(exp, "stream_slice_mb"),
-                        int(exp.get("stream_slice_resident", 0)))
+    o = stream_opts(exp)
+    return stream_label(o["stream_optimizer"], o["stream_prefetch"], o["stream_resident"],
+                        o["stream_overhead"], o["stream_chunk_mb"], o["stream_slice_mb"],
+                        o["stream_slice_resident"])
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
@@ -413,8 +413,7 @@ def stream_label(groups: int, prefetch: int, resident: int | str,
     unless 1 (rows from before the default became 2 meant 1), resident unless 0, with
     ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`), and the
     update's chunk, the large parameters' slices and the slices kept on the device when there
-    are. Also
-    ``experiments.tensile_multi``'s settings."""
+    are. Also ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
         knobs.append(f"stream_prefetch={prefetch}")

@@ -242,8 +242,9 @@ def put_back_step_state(module: nn.Module, optimizer: torch.optim.Optimizer,
         now = _state_beside(optimizer)
         if beside and [t.shape for t in now] != [t.shape for t in beside]:
             raise RuntimeError(f"the streamed optimizer's device rows changed since the save "
-                               f"({len(beside)} tensors then, {len(now)} now): its state was "
-                               f"re-homed between save_step_state and put_back_step_state")
+                               f"(shapes {[tuple(t.shape) for t in beside]} then, "
+                               f"{[tuple(t.shape) for t in now]} now): its state was re-homed "
+                               f"between save_step_state and put_back_step_state")
         for i, v in enumerate(now):   # made since the save (no state then): zeros, as below
             v.copy_(beside[i]) if beside else v.zero_()
     _zero_or_restore_optimizer(optimizer, opt_state)

@@ -9,7 +9,7 @@ from torch import nn
 
 import tensile
 from tensile.resident import install_streamed
-from nimble.training import step_state_kept
+from nimble.training import put_back_step_state, save_step_state, step_state_kept
 from tensile.step import training_step
 
 LOSS = nn.functional.cross_entropy
@@ -696,6 +696,17 @@ def test_steps_inside_step_state_kept_leave_no_trace_on_the_kept_rows(kept):
         training_step(model, opt, b, LOSS)
     streamed.synchronize()
     assert_same_training(m0, o0, model, opt)
+
+
+def test_put_back_refuses_kept_rows_that_changed_since_the_save():
+    """``remove()`` between ``save_step_state`` and ``put_back_step_state`` takes the kept rows
+    away: putting back says so instead of restoring only part of the state."""
+    model, opt, streamed, _ = train_head(head_batches(2), slice_mb=4 / 1024, slice_resident=3)
+    saved = save_step_state(model, opt)
+    streamed.remove()
+    with pytest.raises(RuntimeError, match=r"device rows changed since the save \(shapes "
+                                           r"\[\(\d+,\), \(\d+,\)\] then, \[\] now\)"):
+        put_back_step_state(model, opt, saved, [p.grad for p in model.parameters()])
 
 
 def test_slices_refuse_a_bad_size_and_resident_auto():
