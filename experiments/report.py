@@ -300,6 +300,23 @@ def conv_workspace_table(path: Path) -> pd.DataFrame | None:
                                 "bwd_p10_ms", "bwd_p90_ms", "workspace_mb", "commit"])
 
 
+def slice_cost_table(path: Path) -> pd.DataFrame | None:
+    """The rows of ``slice_cost.csv`` (last per model, batch, case and slice size), each with
+    what it takes over the same case's whole (one slice) and that per extra slice, or None."""
+    keys = ["model", "batch_size", "case", "slices"]
+    df = _latest_rows(path, keys)
+    if df is None:
+        return None
+    whole = df[df["slices"] == 1].set_index(["model", "batch_size", "case"])["median_ms"]
+    at = list(zip(df["model"], df["batch_size"], df["case"]))
+    df["over_whole_ms"] = [m - whole.get(k, float("nan")) for m, k in zip(df["median_ms"], at)]
+    df["per_extra_slice_us"] = [1e3 * o / (n - 1) if n > 1 else float("nan")
+                                for o, n in zip(df["over_whole_ms"], df["slices"])]
+    return _columns(df, ["model", "batch_size", "layer_name", "weight_shape", "case", "slice_mb",
+                         "slices", "median_ms", "p10_ms", "p90_ms", "over_whole_ms",
+                         "per_extra_slice_us", "rows_equal", "commit"])
+
+
 def join_cost_tables(gpu_dir: Path) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """The rows of ``join_cost.csv`` and of the older ``join_cost_at_<commit>*.csv`` (written
     before the ``side`` column: all side=copy), last per chain setting, and of
@@ -1797,6 +1814,7 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
     headroom = headroom_table(gpu_dir / "headroom.csv")
     kernels = kernels_table(gpu_dir / "kernels.csv")
     conv_ws = conv_workspace_table(gpu_dir / "conv_workspace.csv")
+    slice_cost = slice_cost_table(gpu_dir / "slice_cost.csv")
 
     n_smoke = int(df["smoke"].sum())
     md = [f"# Reproduction report: {gpu_dir.name}", "",
@@ -2098,6 +2116,16 @@ def write_report(gpu_dir: str | Path, results_dir: str | Path | None = None) -> 
                "room free in segments already reserved comes on top. workspace_mb = that "
                "backward's peak above its operands and gradients.", "",
                md_table(conv_ws), ""]
+
+    if slice_cost is not None:
+        md += ["## A large weight's update in row slices, piece by piece", "",
+               "`python -m experiments.slice_cost`: the model's largest linear weight, its "
+               "deferred gradient's row products and Adam's update (foreach / fused, "
+               "capturable), whole and in the streamed optimizer's row slices, each case one "
+               "captured CUDA graph. over_whole_ms = the case's time over the same case whole; "
+               "per_extra_slice_us = that over each slice past the first; rows_equal = the "
+               "slices' rows equal the whole product's bit for bit.", "",
+               md_table(slice_cost), ""]
 
     if streams is not None:
         cols = [c for c in ["model", "ops", "edges", "streams", "syncs", "width",

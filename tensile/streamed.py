@@ -42,7 +42,9 @@ A PyTorch optimizer's update makes temporaries as large as the parameters it upd
 connected layer (392 MiB) sit on top of the step's peak. ``update_chunk_mb`` bounds them: each
 group's update runs as several calls of the optimizer's own ``step`` on at most that many MiB of
 parameters, a larger parameter cut into flat slices whose state is the matching slices of its
-state (bit for bit the same for an elementwise optimizer: tests).
+state (bit for bit the same for an elementwise optimizer: tests; not fused Adam on the CPU,
+which can round the elements past a slice's last whole vector differently,
+``tests/test_slice_cost.py``).
 
 A parameter whose state alone is most of the step's (VGG-16's first fully connected layer:
 784 MiB of Adam's 1056) cannot be one group: its copies (16 ms each way at 55 GB/s) would
@@ -107,7 +109,7 @@ import torch
 
 from .streams import side_stream
 
-__all__ = ["StreamedOptimizer", "stream_optimizer", "streamed_of", "DEFAULT_PREFETCH"]
+__all__ = ["StreamedOptimizer", "stream_optimizer", "streamed_of", "row_slices", "DEFAULT_PREFETCH"]
 
 # Groups whose state is copied in ahead of the one updating, by default. On the H200,
 # ResNet-50's streaming cost 0.24 of its step with 2 and 0.39 with 1 (twelfth session).
@@ -797,12 +799,22 @@ def _split(params: list, groups: int, slice_bytes: int | None = None) -> list[_G
     return out
 
 
+def row_slices(rows: int, row_bytes: int, nbytes: int) -> list[tuple[int, int]]:
+    """The row ranges ``[r0, r1)`` that ``slice_mb`` cuts a parameter of ``rows`` rows of
+    ``row_bytes`` each into: whole rows, about ``nbytes`` a slice (at least one row), the last
+    slice what is left."""
+    if rows < 1 or row_bytes < 1 or nbytes < 1:
+        raise ValueError(f"row_slices: expected rows, row_bytes and nbytes >= 1, got "
+                         f"{rows}, {row_bytes} and {nbytes}")
+    step = max(1, nbytes // row_bytes)
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def _slices(p: torch.Tensor, nbytes: int) -> list[_Group]:
     """``p`` in slices of whole rows (its first dimension) of about ``nbytes`` each."""
     row = p.numel() // p.shape[0]
-    step = max(1, nbytes // (row * p.element_size()))
-    return [_Group([p], rows=(r * row, min(r + step, p.shape[0]) * row))
-            for r in range(0, p.shape[0], step)]
+    return [_Group([p], rows=(r0 * row, r1 * row))
+            for r0, r1 in row_slices(p.shape[0], row * p.element_size(), nbytes)]
 
 
 def _runs(params: list, groups: int) -> list[_Group]:
