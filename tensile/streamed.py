@@ -69,7 +69,10 @@ some slices kept keeps its whole state in the host region, which stays the state
 ``optimizer.state`` and ``state_dict()`` show. The kept slices' rows also live in device
 buffers, which their updates read and write. :meth:`StreamedOptimizer.synchronize` (which
 ``state_dict()`` calls) copies those rows into the region. A parameter whose slices are all
-kept keeps its state on the device, like a resident group.
+kept keeps its state on the device, like a resident group. With its large weights in slices,
+the rest of a model may be small (VGG-16: 72 MiB), and every group is one optimizer call in
+backward, tens of microseconds each for a captured foreach Adam: on VGG-16 3 groups instead
+of 16 took 0.4-0.6 ms off the captured step (H100, seventieth session).
 
 The first groups backward updates come in during backward's short start (ResNet-50's layer 4
 holds most of its weights), faster than two copy engines can carry them: ``resident=k``
