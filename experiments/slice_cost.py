@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from nimble.cudagraph import capture_graph
+from tensile.graph import warmup_stream
 from tensile.streamed import row_slices
 
 from .cli import model_list
@@ -54,11 +55,13 @@ def largest_linear(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
 
 def _replayed(fn: Callable[[], object], device: torch.device) -> Callable[[], object]:
     """``fn`` captured as one CUDA graph, returned as its replay; on a CPU ``fn`` itself.
-    Warmed up on a side stream first: cuBLAS and the optimizer make their handles and
-    state lazily, which a capture refuses."""
+    Warmed up first (cuBLAS and the optimizer make their handles and state lazily, which a
+    capture refuses), warm-ups and capture on TENSILE's one warm-up stream
+    (:func:`tensile.graph.warmup_stream`: a fresh stream per case would leave a cuBLAS
+    workspace behind each time)."""
     if device.type != "cuda":
         return fn
-    side = torch.cuda.Stream(device)
+    side = warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(3):
@@ -66,7 +69,7 @@ def _replayed(fn: Callable[[], object], device: torch.device) -> Callable[[], ob
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with capture_graph(graph):
+    with capture_graph(graph, stream=side):
         fn()
     return graph.replay
 
