@@ -170,12 +170,15 @@ def validate(cfg, models: dict) -> None:
     if kept and exp.get("stream_slice_mb") is None:
         raise ConfigError(f"experiment.stream_slice_resident={kept} keeps slices' state on the "
                           f"device: it needs experiment.stream_slice_mb, which makes the slices")
+    if exp.get("stream_pace", False) is True and exp.get("stream_slice_mb") is None:
+        raise ConfigError("experiment.stream_pace=true times when row slices update: it needs "
+                          "experiment.stream_slice_mb, which makes them")
     dw = exp.get("defer_wgrad_mb")
     if dw is not None and (not isinstance(dw, (int, float)) or isinstance(dw, bool) or not dw >= 0):
         raise ConfigError(f"experiment.defer_wgrad_mb must be MiB >= 0 (linear layers with a weight "
                           f"at least that large make its gradient at backward's end) or null, "
                           f"got {dw!r}")
-    for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot",
+    for flag in ("allow_swaps", "batch_norm_from_stats", "census", "snapshot", "stream_pace",
                  "time_captured_copies"):
         if not isinstance(exp.get(flag, flag == "allow_swaps"), bool):
             raise ConfigError(f"experiment.{flag} must be true or false, got {exp.get(flag)!r}")
@@ -387,7 +390,8 @@ def stream_opts(exp) -> dict[str, Any]:
             "stream_overhead": float(exp.get("stream_overhead", DEFAULT_STREAM_OVERHEAD)),
             "stream_chunk_mb": _mb(exp, "stream_chunk_mb"),
             "stream_slice_mb": _mb(exp, "stream_slice_mb"),
-            "stream_slice_resident": int(exp.get("stream_slice_resident", 0))}
+            "stream_slice_resident": int(exp.get("stream_slice_resident", 0)),
+            "stream_pace": bool(exp.get("stream_pace", False))}
 
 
 def _mb(exp, key: str) -> float | None:
@@ -403,17 +407,18 @@ def stream_knobs(name: str, exp) -> list[str]:
     o = stream_opts(exp)
     return stream_label(o["stream_optimizer"], o["stream_prefetch"], o["stream_resident"],
                         o["stream_overhead"], o["stream_chunk_mb"], o["stream_slice_mb"],
-                        o["stream_slice_resident"])
+                        o["stream_slice_resident"], o["stream_pace"])
 
 
 def stream_label(groups: int, prefetch: int, resident: int | str,
                  overhead: float = DEFAULT_STREAM_OVERHEAD, chunk_mb: float | None = None,
-                 slice_mb: float | None = None, slice_resident: int = 0) -> list[str]:
+                 slice_mb: float | None = None, slice_resident: int = 0,
+                 pace: bool = False) -> list[str]:
     """How a label names :func:`tensile.stream_optimizer`'s options (``groups`` > 0): prefetch
     unless 1 (rows from before the default became 2 meant 1), resident unless 0, with
     ``resident="auto"`` the streaming's allowance (:func:`tensile.tune_resident`), and the
-    update's chunk, the large parameters' slices and the slices kept on the device when there
-    are. Also ``experiments.tensile_multi``'s settings."""
+    update's chunk, the large parameters' slices, the slices kept on the device and their
+    pace when there are. Also ``experiments.tensile_multi``'s settings."""
     knobs = [f"stream_optimizer={groups}"]
     if prefetch != 1:
         knobs.append(f"stream_prefetch={prefetch}")
@@ -427,6 +432,8 @@ def stream_label(groups: int, prefetch: int, resident: int | str,
         knobs.append(f"stream_slice={slice_mb:g}")
     if slice_resident:
         knobs.append(f"stream_slice_resident={slice_resident}")
+    if pace:
+        knobs.append("stream_pace")
     return knobs
 
 

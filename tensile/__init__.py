@@ -8,7 +8,8 @@ one GPU: ``python -m tensile.server`` plans them jointly; jobs connect with
 can run its planned step as one CUDA graph: ``Scheduler.capture`` (:mod:`tensile.graph`).
 ``stream_optimizer`` moves the optimizer's update into backward and its state to the host
 (:mod:`tensile.streamed`); ``tune_resident`` chooses how much of it stays on the device
-(:mod:`tensile.resident`); ``defer_weight_grads`` makes large linear layers' weight gradients
+(:mod:`tensile.resident`), ``tune_pace`` when its row slices go (:mod:`tensile.pace`);
+``defer_weight_grads`` makes large linear layers' weight gradients
 at the end of backward, off the peak at its start (:mod:`tensile.defer`). A job too large to
 run one step unplanned is recorded at small batches and scaled (:mod:`tensile.scale`,
 ``Scheduler(..., record_batches=...)``).
@@ -36,6 +37,7 @@ from .step import training_step
 from .streamed import StreamedOptimizer, stream_optimizer
 from .defer import DeferredWeightGrads, defer_weight_grads
 from .resident import tune_resident
+from .pace import tune_pace
 from .baselines import METHODS, StepFn, checkpoint_blocks, make_method
 from .client import SchedulerError, TensileClient
 from .policies import capuchin_plan, vdnn_plan
@@ -48,7 +50,7 @@ __all__ = [
     "measure_peak_rates", "measure_copy_bandwidth", "Recording", "record_step",
     "ScaleError", "scale_recording",
     "PlanRunner", "PlanMismatchError", "RuntimeStats", "training_step",
-    "StreamedOptimizer", "stream_optimizer", "tune_resident", "DeferredWeightGrads",
+    "StreamedOptimizer", "stream_optimizer", "tune_resident", "tune_pace", "DeferredWeightGrads",
     "defer_weight_grads",
     "TensileClient", "SchedulerError", "JobSpec", "JointPlan", "plan_jobs", "simulate_joint",
     "METHODS", "StepFn", "make_method", "checkpoint_blocks", "vdnn_plan", "capuchin_plan",

@@ -343,7 +343,8 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
                     stream_prefetch: int = DEFAULT_PREFETCH, stream_resident: int | str = 0,
                     stream_overhead: float = DEFAULT_STREAM_OVERHEAD, stream_jobs: int = 1,
                     stream_chunk_mb: float | None = None, stream_slice_mb: float | None = None,
-                    stream_slice_resident: int = 0, defer_wgrad_mb: float | None = None) -> StepFn:
+                    stream_slice_resident: int = 0, stream_pace: bool = False,
+                    defer_wgrad_mb: float | None = None) -> StepFn:
     """The vanilla step captured with the optimizer streamed (:func:`tensile.stream_optimizer`)
     and no TENSILE plan: the streaming's own saving and cost, beside ``graph``."""
     device = next(model.parameters()).device
@@ -354,7 +355,7 @@ def _streamed_graph(model, optimizer, loss_fn, example_batch, *, stream_optimize
                                 prefetch=stream_prefetch, resident=stream_resident,
                                 max_overhead=stream_overhead, jobs=stream_jobs,
                                 update_chunk_mb=stream_chunk_mb, slice_mb=stream_slice_mb,
-                                slice_resident=stream_slice_resident)
+                                slice_resident=stream_slice_resident, pace=stream_pace)
     captured = _graph(model, optimizer, loss_fn, example_batch)
     return StepFn("streamed_graph", captured.run,
                   lambda: {**captured.stats(), **_stream_stats(streamed)})
@@ -365,7 +366,8 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                    stream_resident: int | str = 0, stream_overhead: float = DEFAULT_STREAM_OVERHEAD,
                    stream_jobs: int = 1, stream_chunk_mb: float | None = None,
                    stream_slice_mb: float | None = None, stream_slice_resident: int = 0,
-                   defer_wgrad_mb: float | None = None, time_copies: bool = False,
+                   stream_pace: bool = False, defer_wgrad_mb: float | None = None,
+                   time_copies: bool = False,
                    **scheduler_kwargs) -> StepFn:
     device = next(model.parameters()).device
     if simulate or device.type != "cuda":
@@ -381,7 +383,7 @@ def _tensile_graph(model, optimizer, loss_fn, example_batch, *, budget=None, sim
                                     jobs=stream_jobs, h2d_bw=scheduler_kwargs.get("h2d_bw"),
                                     d2h_bw=scheduler_kwargs.get("d2h_bw"),
                                     update_chunk_mb=stream_chunk_mb, slice_mb=stream_slice_mb,
-                                    slice_resident=stream_slice_resident)
+                                    slice_resident=stream_slice_resident, pace=stream_pace)
     # The search pays off only in the plan the graph keeps; the eager steps plan without it
     # ("always" takes a minute a plan on Inception-v4, and they plan twice).
     search = scheduler_kwargs.pop("swap_search", None)
@@ -422,6 +424,7 @@ def _stream_stats(streamed) -> dict:
     return {"stream_groups": len(streamed.groups), "stream_resident_groups": streamed.resident,
             "stream_slices": sum(g.rows is not None for g in streamed.groups),
             "stream_slices_kept": streamed.slice_resident,
+            **({"stream_paced": streamed.paced} if streamed.paced else {}),
             **({"stream_tuned": streamed.tuned} if streamed.tuned else {})}
 
 

@@ -143,13 +143,8 @@ def measure_update_times(streamed: StreamedOptimizer, model: nn.Module, batch: S
                        for key, v in streamed.optimizer.state.get(p, {}).items()
                        if _streamed_key(p, key, v))   # what home_state would stream
                    for g in streamed.groups]
-    with step_state_kept(model, streamed.optimizer):   # the timed steps train
-        if not streamed.cuda:
-            runs = [_cpu_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
-        elif is_capturable(streamed.optimizer):
-            runs = _graph_marks(streamed, model, batch, loss_fn, repeats)
-        else:
-            runs = [_event_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
+    runs = [_ordered(marks, len(streamed.groups), end)
+            for marks, end in step_marks(streamed, model, batch, loss_fn, repeats)]
     med = [sorted(col)[len(col) // 2] for col in zip(*runs)]
     begin, *updates, end = med
     updates = [max(u, begin) for u in updates]
@@ -230,16 +225,26 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
                      resident: int | str = 0, max_overhead: float = DEFAULT_STREAM_OVERHEAD, jobs: int = 1,
                      h2d_bw: float | None = None, d2h_bw: float | None = None,
                      update_chunk_mb: float | None = None,
-                     slice_mb: float | None = None, slice_resident: int = 0) -> StreamedOptimizer:
+                     slice_mb: float | None = None, slice_resident: int = 0,
+                     pace: bool = False) -> StreamedOptimizer:
     """:func:`tensile.stream_optimizer` with ``resident`` a number of groups, or ``"auto"``:
     then every group starts resident, one training step creates the optimizer's state
     (it trains: a warm-up step), and :func:`tune_resident` chooses within ``max_overhead``
-    for ``jobs`` jobs sharing the link. Install it before building a Scheduler."""
+    for ``jobs`` jobs sharing the link. ``pace`` (with ``slice_mb``): one training step
+    creates the state and :func:`tensile.tune_pace` times when the slices go. Install it
+    before building a Scheduler."""
+    if pace and slice_mb is None:
+        raise ValueError("pace times when row slices update: it needs slice_mb, which makes them")
     if resident != AUTO:
         if isinstance(resident, str):
             raise ValueError(f"resident: expected a number of groups or {AUTO!r}, got {resident!r}")
-        return stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb, slice_mb,
-                                slice_resident)
+        streamed = stream_optimizer(optimizer, groups, prefetch, resident, update_chunk_mb,
+                                    slice_mb, slice_resident)
+        if pace:
+            from .pace import tune_pace   # here: tensile.pace builds on this module
+            training_step(model, optimizer, batch, loss_fn)
+            tune_pace(streamed, model, batch, loss_fn, h2d_bw=h2d_bw, d2h_bw=d2h_bw)
+        return streamed
     if slice_mb is not None:
         raise ValueError(f"resident={AUTO!r} times whole groups: it cannot go with slice_mb "
                          f"({slice_mb!r}); give a number of resident groups")
@@ -252,8 +257,24 @@ def install_streamed(model: nn.Module, optimizer: torch.optim.Optimizer, batch: 
 
 # --------------------------------------------------------------------------- timing
 
-def _cpu_marks(streamed, model, batch, loss_fn) -> list[float]:
-    """begin, each group's update, end: wall ms from the step's start (CPU ops are synchronous)."""
+def step_marks(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
+               loss_fn: Callable | None, repeats: int) -> list[tuple[dict, float]]:
+    """``repeats`` timed training steps of ``streamed`` as it is set now, each as the ms from
+    the step's start at which it reached each of its marks (``StreamedOptimizer._marks``:
+    "begin", each group's update, what :mod:`tensile.pace` reads) and at which it ended: in
+    one CUDA graph of the step (capturable optimizer: no host gaps count), with timing
+    events (CUDA otherwise) or wall time (CPU). The steps do not train (model, optimizer
+    state and the RNG are put back)."""
+    with step_state_kept(model, streamed.optimizer):
+        if not streamed.cuda:
+            return [_cpu_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
+        if is_capturable(streamed.optimizer):
+            return _graph_marks(streamed, model, batch, loss_fn, repeats)
+        return [_event_marks(streamed, model, batch, loss_fn) for _ in range(repeats)]
+
+
+def _cpu_marks(streamed, model, batch, loss_fn) -> tuple[dict, float]:
+    """The marks and the end: wall ms from the step's start (CPU ops are synchronous)."""
     marks: dict = {}
     t0 = time.perf_counter()
     streamed._marks = lambda what: marks.setdefault(what, (time.perf_counter() - t0) * 1e3)
@@ -261,11 +282,10 @@ def _cpu_marks(streamed, model, batch, loss_fn) -> list[float]:
         training_step(model, streamed.optimizer, batch, loss_fn)
     finally:
         streamed._marks = None
-    end = (time.perf_counter() - t0) * 1e3
-    return _ordered(marks, len(streamed.groups), end)
+    return marks, (time.perf_counter() - t0) * 1e3
 
 
-def _event_marks(streamed, model, batch, loss_fn) -> list[float]:
+def _event_marks(streamed, model, batch, loss_fn) -> tuple[dict, float]:
     """As :func:`_cpu_marks`, with CUDA timing events on the current stream."""
     stream = torch.cuda.current_stream(streamed.device)
     events: dict = {}
@@ -283,8 +303,7 @@ def _event_marks(streamed, model, batch, loss_fn) -> list[float]:
     finally:
         streamed._marks = None
     torch.cuda.synchronize(streamed.device)
-    marks = {k: start.elapsed_time(e) for k, e in events.items()}
-    return _ordered(marks, len(streamed.groups), start.elapsed_time(end))
+    return {k: start.elapsed_time(e) for k, e in events.items()}, start.elapsed_time(end)
 
 
 def _captured_step_ms(streamed, model, batch, loss_fn) -> float:
@@ -298,7 +317,7 @@ def _captured_step_ms(streamed, model, batch, loss_fn) -> float:
     return ms
 
 
-def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[float]]:
+def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[tuple[dict, float]]:
     """As :func:`_event_marks`, inside one CUDA graph of the step (:class:`tensile.GraphStep`),
     replayed ``repeats`` times (the graph runs its kernels back to back: no host gaps count)."""
     events: dict = {}
@@ -327,8 +346,8 @@ def _graph_marks(streamed, model, batch, loss_fn, repeats: int) -> list[list[flo
     for _ in range(repeats):
         graph.graph.replay()
         torch.cuda.synchronize(streamed.device)
-        marks = {k: max(start.elapsed_time(e) - gap, 0.0) for k, e in events.items()}
-        runs.append(_ordered(marks, len(streamed.groups), start.elapsed_time(end)))
+        runs.append(({k: max(start.elapsed_time(e) - gap, 0.0) for k, e in events.items()},
+                     start.elapsed_time(end)))
     del graph
     return runs
 

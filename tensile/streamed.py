@@ -264,6 +264,12 @@ class StreamedOptimizer:
         self._in_step = False
         self._new_state = False               # an update this step created state on the device
         self._marks = None                    # tensile.resident's timing: called at "begin", each update
+        # tensile.pace: the hook at which each slice goes and its rank among those due then
+        # (None: spread over the hooks, see _enqueue); the hook each sliced parameter's
+        # gradient came at in the last step
+        self._pace: dict[int, tuple[int, int]] | None = None
+        self.paced: dict | None = None        # what tensile.tune_pace measured and chose
+        self._arrived: dict[int, int] = {}
         self.tuned: dict | None = None        # what tensile.tune_resident chose, if it ran
         self._original = {name: getattr(optimizer, name)
                           for name in ("step", "load_state_dict", "state_dict")}
@@ -320,6 +326,26 @@ class StreamedOptimizer:
         self._state_to_device([self.groups[i] for i in self._whole[:resident]])
         self.resident = resident
         self.home_state()
+
+    def set_pace(self, pace: "dict[int, tuple[int, int]] | None") -> None:
+        """Give every slice the hook at which it goes and its rank among the slices due at
+        the same hook: ``{group: (hook, rank)}``, hooks counted from 0 at backward's first
+        gradient (:func:`tensile.tune_pace` makes it); None: back to spreading them over the
+        hooks. Between steps only, like :meth:`set_resident`: a captured graph and TENSILE's
+        recorded step keep the order of the step they saw."""
+        if self._in_step or (self.cuda and torch.cuda.is_current_stream_capturing()):
+            raise RuntimeError("set_pace between steps only, not during a step or a capture")
+        if pace is not None:
+            slices = {g for gs in self._slices_of.values() for g in gs}
+            if set(pace) != slices:
+                raise ValueError(f"pace: expected an entry for each of the {len(slices)} slices "
+                                 f"(groups {sorted(slices)}), got groups {sorted(pace)}")
+            bad = {g: v for g, v in pace.items()
+                   if not (isinstance(v, tuple) and len(v) == 2
+                           and all(isinstance(x, int) and x >= 0 for x in v))}
+            if bad:
+                raise ValueError(f"pace: expected (hook, rank) pairs of ints >= 0, got {bad}")
+        self._pace = None if pace is None else dict(pace)
 
     def _state_to_device(self, groups: list[_Group]) -> None:
         """The state of ``groups`` back on the device, their host regions dropped (once the
@@ -404,6 +430,8 @@ class StreamedOptimizer:
             return   # no state yet (the optimizer's first step): step() does it after backward
         if not self._in_step:   # backward's first gradient: a new step
             self._begin()
+        if self._marks is not None:   # tensile.pace: backward's own work ends here ...
+            self._marks(("hook", self._hooks_seen))
         self._hooks_seen += 1
         if id(p) in self._slices_of:
             self._enqueue(p)
@@ -412,7 +440,9 @@ class StreamedOptimizer:
             self._ready[g] = self._ready.get(g, 0) + 1
             if self._ready[g] == len(self.groups[g].params):
                 self._backward_update(g)
-        self._pace()
+        self._pace_queue()
+        if self._marks is not None:   # ... and starts again here
+            self._marks(("hooked", self._hooks_seen - 1))
 
     def _on_rows(self, p: torch.Tensor, rows_grad: Callable[[int, int], torch.Tensor]) -> bool:
         """A deferred weight's gradient (:mod:`tensile.defer`): ``rows_grad(r0, r1)`` makes
@@ -430,8 +460,16 @@ class StreamedOptimizer:
         the last step), in the queue's order (the ring's), so their copies run beside the
         rest of backward instead of the compute stream waiting for them all at once. Kept
         slices (``slice_resident``) have no copies to spread: they go at once, and the
-        streamed ones spread over the whole rest of backward."""
+        streamed ones spread over the whole rest of backward. With a pace
+        (:func:`tensile.tune_pace`), every slice, kept or not, goes at the hook the pace
+        gives it, in the pace's order."""
         slices = self._slices_of[id(p)]
+        self._arrived[id(p)] = self._hooks_seen - 1
+        if self._pace is not None:
+            self._queue += slices
+            self._queue.sort(key=lambda g: self._pace[g])
+            self._due = [self._pace[g][0] + 1 for g in self._queue]   # hooks seen by then
+            return
         for g in slices:
             if g in self._kept:
                 self._backward_update(g)
@@ -440,7 +478,7 @@ class StreamedOptimizer:
         self._due = [self._hooks_seen + (k * later) // len(self._queue)
                      for k in range(len(self._queue))]
 
-    def _pace(self) -> None:
+    def _pace_queue(self) -> None:
         """Update the queued slices that are due by now."""
         while self._queue and self._due[0] <= self._hooks_seen:
             self._due.pop(0)
@@ -572,6 +610,8 @@ class StreamedOptimizer:
         slot = grp.slot
         if slot is not None and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(grp.in_done)
+        if self._marks is not None:   # tensile.pace: the update itself, from here ...
+            self._marks(("run", g))
         if grp.rows is not None:
             self._step_slice(g)
         else:
@@ -585,6 +625,8 @@ class StreamedOptimizer:
             for p in grp.params:
                 p.grad = None
         self._done.add(g)
+        if self._marks is not None:   # ... to here
+            self._marks(("ran", g))
         if slot is None:
             return
         pairs = self._host_and_slot(grp, slot)
@@ -732,6 +774,8 @@ class StreamedOptimizer:
         """After backward: update the groups backward did not complete (a parameter without
         a gradient this step, or without state yet), then drop the slots once the compute
         stream waited for their last copies out."""
+        if self._marks is not None and self._in_step:   # tensile.pace: backward's end
+            self._marks("finish")
         for g in range(len(self.groups)):
             if g not in self._done:
                 self._update(g)

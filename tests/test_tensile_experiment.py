@@ -420,6 +420,11 @@ def test_a_failed_vanilla_leaves_the_ratios_empty_with_the_reason(small, tmp_pat
     (["experiment.stream_optimizer=4", "experiment.stream_slice_mb=32",
       "experiment.stream_slice_resident=-1"],
      r"stream_slice_resident must be a number of slices >= 0 .*got -1"),
+    (["experiment.stream_optimizer=4", "experiment.stream_pace=true"],
+     r"stream_pace=true times when row slices update: it needs experiment.stream_slice_mb"),
+    (["experiment.stream_optimizer=4", "experiment.stream_slice_mb=32",
+      "experiment.stream_pace=1"],
+     r"stream_pace"),
     (["experiment.stream_optimizer=4", "experiment.stream_chunk_mb=0"],
      r"stream_chunk_mb must be MiB > 0 \(the most parameter bytes one optimizer update call "
      r"takes\) or null, got 0"),
@@ -682,7 +687,8 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
         "streamed_graph(stream_optimizer=16,stream_prefetch=2,stream_resident=4)"
     assert tensile_run._method_opts("streamed_graph", rs, "cuda", None, None, {}) == {
         "stream_optimizer": 16, "stream_prefetch": 2, "stream_resident": 4, "stream_overhead": 0.05,
-        "stream_chunk_mb": None, "stream_slice_mb": None, "stream_slice_resident": 0}
+        "stream_chunk_mb": None, "stream_slice_mb": None, "stream_slice_resident": 0,
+        "stream_pace": False}
     # a large parameter's state streamed in row slices: named, and passed on
     sliced = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
                        "experiment.stream_resident=16", "experiment.stream_slice_mb=32"]).experiment
@@ -697,6 +703,13 @@ def test_setting_and_label_name_what_changes_the_measurement(monkeypatch):
         "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_slice=32,stream_slice_resident=4)"
     assert tensile_run._method_opts("tensile_graph", kept, "cuda", None, None, {})[
         "stream_slice_resident"] == 4
+    # ... and their pace timed (tensile.tune_pace)
+    paced = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
+                      "experiment.stream_slice_mb=32", "experiment.stream_pace=true"]).experiment
+    assert tensile_run.method_label("tensile_graph", paced) == \
+        "tensile_graph(stream_optimizer=16,stream_prefetch=2,stream_slice=32,stream_pace)"
+    assert tensile_run._method_opts("tensile_graph", paced, "cuda", None, None, {})[
+        "stream_pace"] is True
     # a bounded update (tensile.stream_optimizer's update_chunk_mb): named, and passed on
     chunked = _compose(["experiment=tensile", "experiment.stream_optimizer=16",
                         "experiment.stream_chunk_mb=64"]).experiment
