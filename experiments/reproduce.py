@@ -55,12 +55,15 @@ TENSILE_AUTHORS_DENSENET = ["+sweep=tensile_authors", "model=densenet121", "expe
                             "experiment.allow_swaps=false"]
 # VGG-16 at the TENSILE authors' memory saving with fc6's Adam state streamed in 32 MiB row
 # slices and the last 7 slices' state kept on the device, the other parameters in 3 groups
-# whose state stays on the device, weight gradients of fc6/fc7 deferred to their slices: the
-# closest setting measured, the memory target met and the time not (EOR 0.143-0.163 on an
-# H100 where the target allows 0.1315; results/h100-80gb-hbm3/README.md, seventieth session).
+# whose state stays on the device, weight gradients of fc6/fc7 deferred to their slices, and
+# the slices paced by one timed step (tensile.tune_pace). Unpaced, the memory target was met
+# and the time not (EOR 0.143-0.163 on an H100, seventieth session; 0.206 on the H200,
+# seventy-first); paced, both were met on the H200 (EOR 0.130 and 0.130 where the target
+# allows 0.1315; results/h200/README.md, seventy-first session).
 TENSILE_AUTHORS_VGG = ["+sweep=tensile_authors", "model=vgg16", "experiment.stream_optimizer=3",
                        "experiment.stream_resident=3", "experiment.stream_slice_mb=32",
-                       "experiment.stream_slice_resident=7", "experiment.defer_wgrad_mb=64"]
+                       "experiment.stream_slice_resident=7", "experiment.stream_pace=true",
+                       "experiment.defer_wgrad_mb=64"]
 # The CPU smoke run: a small model, the backends that can run on a CPU, and the GPU-only Nimble
 # backends (which record "unavailable" rows with their reason).
 CPU_SMOKE = ["device=cpu", "timing=quick", "model=mobilenet_v2", "batch_size=1",

@@ -510,6 +510,7 @@ def test_reproduce_plan_on_a_cuda_host_runs_every_sweep_through_hydra():
     # ... and VGG-16 with fc6's Adam state in row slices, the last 7 kept on the device
     (vgg,) = [c for c in commands if "+sweep=tensile_authors model=vgg16" in c]
     assert "experiment.stream_slice_mb=32 experiment.stream_slice_resident=7" in vgg
+    assert "experiment.stream_pace=true" in vgg   # the slices paced by one timed step
     assert "experiment.stream_optimizer=3 experiment.stream_resident=3" in vgg
     assert vgg.endswith("experiment.defer_wgrad_mb=64") and commands.index(vgg) > commands.index(dn)
     only = [" ".join(cmd) for _, cmd in reproduce.plan(cuda=True, sweeps=["tensile_single"])[0]]
