@@ -18,13 +18,16 @@ capturable optimizer): backward's own work between hooks, each slice's update, w
 after the last hook. :func:`pace_slices` then replays the ring of :mod:`tensile.streamed` on
 those times: its first ``prefetch + 1`` streamed slices copy in from backward's first
 gradient, one host-to-device and one device-to-host channel, a slice's copy in waiting for the
-copy out of the slot's last slice. At each hook a streamed slice goes as soon as its state
+copy out of the slot's last slice. A copy takes as long per byte as the slices' copies took in
+the timed step (the median each way): both directions at once and beside backward's kernels,
+which on a slow host is far from one way alone (an H100 host carried 54 GB/s one way alone and
+31 GB/s device to host in the step, 71st session). At each hook a streamed slice goes as soon as its state
 has landed, in the ring's order; while the next one is still on its way, a kept slice goes
 instead (its update is work to fill the wait); else the rest waits for a later hook. So the
-streamed slices go as early as the link brings them, and the ring empties early. The copies
-take their bytes over the measured one-way bandwidth times :data:`BOTH_WAYS` (both
-directions busy at once: 48.3 GB/s each way against 54.8-55.0 alone on an H100, 70th
-session) plus the planner's latency.
+streamed slices go as early as the link brings them, and the ring empties early. Without
+timed copies (on the CPU) they take their bytes over the one-way bandwidth times
+:data:`BOTH_WAYS` (both directions busy at once: 48.3 GB/s each way against 54.8-55.0 alone
+on an H100, 70th session) plus the planner's latency.
 
 The pace is fixed once chosen (:meth:`StreamedOptimizer.set_pace`): a captured graph and
 TENSILE's recorded step keep the order of the step they saw, so it is not re-chosen from
@@ -233,6 +236,10 @@ def slice_times(streamed: StreamedOptimizer, marks: dict, h2d_bw: float, d2h_bw:
         sliced = sum(marks[("ran", g)] - marks[g] for g in in_hook[h])
         gaps.append(max(before, 0.0) + max(spent - sliced, 0.0))
     tail = max(marks.get("finish", marks[("hooked", hooks[-1])]) - marks[("hooked", hooks[-1])], 0.0)
+    # the copies as the timed step made them, both ways at once and beside backward's kernels
+    # (on a slow host far slower than one way alone: an H100 host carried 54 GB/s one way
+    # and 31 GB/s device to host in the step, 71st session); else the link's bandwidth
+    rate = {way: _copy_ms_per_byte(streamed, marks, slices, way) for way in ("in", "out")}
     arrival, kept, update, cin, cout = [], [], [], [], []
     for g in slices:
         grp = streamed.groups[g]
@@ -242,9 +249,24 @@ def slice_times(streamed: StreamedOptimizer, marks: dict, h2d_bw: float, d2h_bw:
         kept.append(not grp.streams)
         update.append(max(marks[("ran", g)] - marks[("run", g)], 0.0))
         nbytes = _slice_state_bytes(streamed, grp) if grp.streams else 0
-        cin.append(nbytes and latency_ms + nbytes * 1e3 / (h2d_bw * both_ways))
-        cout.append(nbytes and latency_ms + nbytes * 1e3 / (d2h_bw * both_ways))
+        cin.append(nbytes and (nbytes * rate["in"] if rate["in"] is not None
+                               else latency_ms + nbytes * 1e3 / (h2d_bw * both_ways)))
+        cout.append(nbytes and (nbytes * rate["out"] if rate["out"] is not None
+                                else latency_ms + nbytes * 1e3 / (d2h_bw * both_ways)))
     return SliceTimes(gaps, tail, arrival, kept, update, cin, cout)
+
+
+def _copy_ms_per_byte(streamed: StreamedOptimizer, marks: dict, slices: list[int],
+                      way: str) -> float | None:
+    """The median ms per byte of the streamed slices' copies ``way`` ("in", "out") in the
+    timed step's marks; None when it has none (a CPU run, or no streamed slice)."""
+    rates = sorted((marks[(way + "_end", g)] - marks[(way, g)]) / nbytes
+                   for g in slices if streamed.groups[g].streams
+                   and (way, g) in marks and (way + "_end", g) in marks
+                   and (nbytes := _slice_state_bytes(streamed, streamed.groups[g])) > 0)
+    if not rates or not streamed.cuda:
+        return None
+    return rates[len(rates) // 2]
 
 
 def _slice_state_bytes(streamed: StreamedOptimizer, grp) -> int:
@@ -278,13 +300,17 @@ def tune_pace(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,
     if h2d_bw is None or d2h_bw is None:
         d, h = measure_copy_bandwidth(streamed.device)
         d2h_bw, h2d_bw = d2h_bw or d, h2d_bw or h
+    slices = [g for g, grp in enumerate(streamed.groups) if grp.rows is not None]
     times = slice_times(streamed, marks, h2d_bw, d2h_bw, latency_ms, both_ways)
     slots = streamed.prefetch + 1
     paced = pace_slices(times, slots)
     spread = replay_pace(times, spread_pace(times.arrival, times.kept, len(times.gaps_ms)), slots)
-    slices = [g for g, grp in enumerate(streamed.groups) if grp.rows is not None]
     streamed.set_pace(dict(zip(slices, paced.due)))
+    timed = {way: _copy_ms_per_byte(streamed, marks, slices, way) for way in ("in", "out")}
     streamed.paced = {"hooks": [d[0] for d in paced.due],
+                      # the copies' rates in the timed step (GB/s; None: the link's, see notes)
+                      **{f"copy_{way}_gbps": round(1e-6 / r, 2) if r else None
+                         for way, r in timed.items()},
                       **{f"{name}_{k}": round(getattr(r, f"{k}_ms"), 3)
                          for name, r in (("paced", paced), ("spread", spread))
                          for k in ("end", "wait", "ring_done")}}

@@ -575,10 +575,18 @@ class StreamedOptimizer:
         if slot.free_after is not None:
             h2d.wait_event(slot.free_after)   # the slot's last group has gone out
         with torch.cuda.stream(h2d):
+            self._copy_mark("in", g)
             for host, dev in pairs:
                 dev.copy_(host, non_blocking=True)
+            self._copy_mark("in", g, end=True)
             grp.in_done = torch.cuda.Event()
             grp.in_done.record(h2d)
+
+    def _copy_mark(self, way: str, g: int, end: bool = False) -> None:
+        """tensile.pace: a copy of group ``g``'s state starts or ends, on the copy's stream
+        (the current one): after its waits, so the two marks time the copy alone."""
+        if self._marks is not None:
+            self._marks((way + ("_end" if end else ""), g))
 
     def _host_and_slot(self, grp: _Group, slot: _Slot) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (host, device) pieces a group's state copies between: its whole region, or a
@@ -637,8 +645,10 @@ class StreamedOptimizer:
             compute, d2h = torch.cuda.current_stream(self.device), side_stream(self.device, "d2h")
             d2h.wait_stream(compute)
             with torch.cuda.stream(d2h):
+                self._copy_mark("out", g)
                 for host, dev in pairs:
                     host.copy_(dev, non_blocking=True)
+                self._copy_mark("out", g, end=True)
                 slot.free_after = torch.cuda.Event()
                 slot.free_after.record(d2h)
         else:

@@ -171,3 +171,45 @@ def test_replay_refuses_streamed_slices_out_of_the_rings_order_and_a_wrong_lengt
         replay_pace(times, [(5, 0), (4, 1), (6, 2)], 2)
     with pytest.raises(ValueError, match="one \\(hook, rank\\) per slice"):
         replay_pace(times, [(5, 0)], 2)
+
+
+def test_slice_times_take_the_copies_as_long_as_the_timed_step_made_them():
+    """On the GPU the timed step's marks time each streamed slice's copies (both ways busy,
+    beside backward's kernels): the replay's copies take as long per byte as their median,
+    not the link's one-way bandwidth. Here synthetic marks on a CPU optimizer said to be on
+    CUDA: every copy in takes 2 ms, every copy out 3 ms."""
+    from tensile.pace import slice_times, _slice_state_bytes
+    data = head_batches(2)
+    model = make_head()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    streamed = tensile.stream_optimizer(opt, groups=3, prefetch=1, resident=3, slice_mb=4 / 1024,
+                                        slice_resident=2)
+    for b in data:
+        training_step(model, opt, b, LOSS)
+    hooks = streamed._hooks_total
+    marks = {}
+    for h in range(hooks):
+        marks[("hook", h)], marks[("hooked", h)] = 10.0 * h, 10.0 * h + 5.0
+    slices = [g for g, grp in enumerate(streamed.groups) if grp.rows is not None]
+    for g in slices:
+        h = streamed._arrived[id(streamed.groups[g].params[0])]
+        marks[g], marks[("run", g)], marks[("ran", g)] = 10.0 * h + 1, 10.0 * h + 1, 10.0 * h + 1.5
+        marks[("in", g)], marks[("in_end", g)] = 0.0, 2.0
+        marks[("out", g)], marks[("out_end", g)] = 3.0, 6.0
+    streamed.cuda = True
+    try:
+        times = slice_times(streamed, marks, h2d_bw=1e12, d2h_bw=1e12)
+    finally:
+        streamed.cuda = False
+    nbytes = {g: _slice_state_bytes(streamed, streamed.groups[g]) for g in slices
+              if streamed.groups[g].streams}
+    per_byte = sorted(1.0 / n for n in nbytes.values())[len(nbytes) // 2]   # ms per byte, in
+    assert times.kept == [g not in nbytes for g in slices]
+    for g, i, o in zip(slices, times.in_ms, times.out_ms):
+        if g in nbytes:   # the median ms per byte, times the slice's own bytes
+            assert (i, o) == pytest.approx((2.0 * per_byte * nbytes[g], 3.0 * per_byte * nbytes[g]))
+        else:
+            assert i == o == 0
+    assert times.update_ms == [pytest.approx(0.5)] * len(slices)
+    # the work between hooks is what the hooks did not do: 5 ms gaps, 5 ms hooks less slices
+    assert times.gaps_ms[0] >= 0 and all(g >= 5.0 for g in times.gaps_ms[1:])
