@@ -21,10 +21,11 @@ gradient, one host-to-device and one device-to-host channel, a slice's copy in w
 copy out of the slot's last slice. A copy takes as long per byte as the slices' copies took in
 the timed step (the median each way): both directions at once and beside backward's kernels,
 which on a slow host is far from one way alone (an H100 host carried 54 GB/s one way alone and
-31 GB/s device to host in the step, 71st session). At each hook a streamed slice goes as soon as its state
-has landed, in the ring's order; while the next one is still on its way, a kept slice goes
-instead (its update is work to fill the wait); else the rest waits for a later hook. So the
-streamed slices go as early as the link brings them, and the ring empties early. Without
+31 GB/s device to host in the step, 71st session). At each hook a streamed slice goes as soon
+as its state has landed, in the ring's order; while the next one is still on its way, a kept
+slice goes instead (its update is work to fill the wait); else the rest waits for a later
+hook. So the streamed slices go as early as the link brings them, and the ring empties early.
+Without
 timed copies (on the CPU) they take their bytes over the one-way bandwidth times
 :data:`BOTH_WAYS` (both directions busy at once: 48.3 GB/s each way against 54.8-55.0 alone
 on an H100, 70th session) plus the planner's latency.
@@ -270,6 +271,7 @@ def _copy_ms_per_byte(streamed: StreamedOptimizer, marks: dict, slices: list[int
 
 
 def _slice_state_bytes(streamed: StreamedOptimizer, grp) -> int:
+    """The state bytes a slice's rows hold (what its copies carry each way)."""
     a, b = grp.rows
     return sum((b - a) * (n // p.numel()) for p, _, _, n in grp.keys)
 
