@@ -47,7 +47,7 @@ from torch import nn
 from .estimate import measure_copy_bandwidth
 from .planner import COPY_LATENCY_MS
 from .resident import step_marks
-from .streamed import StreamedOptimizer
+from .streamed import StreamedOptimizer, _slot_bytes, spread_dues
 
 __all__ = ["SliceTimes", "PaceResult", "pace_slices", "replay_pace", "spread_pace", "tune_pace",
            "BOTH_WAYS"]
@@ -210,8 +210,7 @@ def spread_pace(arrival: Sequence[int], kept: Sequence[bool], hooks: int) -> lis
         new = [i for i in came if not kept[i]]
         if new:
             queue += new
-            later = max(hooks - seen, 0)
-            dues = [seen + (k * later) // len(queue) for k in range(len(queue))]
+            dues = spread_dues(seen, hooks, len(queue))
         while queue and dues[0] <= seen:
             dues.pop(0)
             out[queue.pop(0)] = (h, len(out))
@@ -249,7 +248,7 @@ def slice_times(streamed: StreamedOptimizer, marks: dict, h2d_bw: float, d2h_bw:
         arrival.append(streamed._arrived[id(grp.params[0])])
         kept.append(not grp.streams)
         update.append(max(marks[("ran", g)] - marks[("run", g)], 0.0))
-        nbytes = _slice_state_bytes(streamed, grp) if grp.streams else 0
+        nbytes = _slot_bytes(grp)   # 0 for a kept slice
         cin.append(nbytes and (nbytes * rate["in"] if rate["in"] is not None
                                else latency_ms + nbytes * 1e3 / (h2d_bw * both_ways)))
         cout.append(nbytes and (nbytes * rate["out"] if rate["out"] is not None
@@ -262,18 +261,11 @@ def _copy_ms_per_byte(streamed: StreamedOptimizer, marks: dict, slices: list[int
     """The median ms per byte of the streamed slices' copies ``way`` ("in", "out") in the
     timed step's marks; None when it has none (a CPU run, or no streamed slice)."""
     rates = sorted((marks[(way + "_end", g)] - marks[(way, g)]) / nbytes
-                   for g in slices if streamed.groups[g].streams
-                   and (way, g) in marks and (way + "_end", g) in marks
-                   and (nbytes := _slice_state_bytes(streamed, streamed.groups[g])) > 0)
+                   for g in slices if (way, g) in marks and (way + "_end", g) in marks
+                   and (nbytes := _slot_bytes(streamed.groups[g])) > 0)   # 0: kept
     if not rates or not streamed.cuda:
         return None
     return rates[len(rates) // 2]
-
-
-def _slice_state_bytes(streamed: StreamedOptimizer, grp) -> int:
-    """The state bytes a slice's rows hold (what its copies carry each way)."""
-    a, b = grp.rows
-    return sum((b - a) * (n // p.numel()) for p, _, _, n in grp.keys)
 
 
 def tune_pace(streamed: StreamedOptimizer, model: nn.Module, batch: Sequence,

@@ -178,7 +178,8 @@ def test_slice_times_take_the_copies_as_long_as_the_timed_step_made_them():
     beside backward's kernels): the replay's copies take as long per byte as their median,
     not the link's one-way bandwidth. Here synthetic marks on a CPU optimizer said to be on
     CUDA: every copy in takes 2 ms, every copy out 3 ms."""
-    from tensile.pace import slice_times, _slice_state_bytes
+    from tensile.pace import slice_times
+    from tensile.streamed import _slot_bytes
     data = head_batches(2)
     model = make_head()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -201,8 +202,7 @@ def test_slice_times_take_the_copies_as_long_as_the_timed_step_made_them():
         times = slice_times(streamed, marks, h2d_bw=1e12, d2h_bw=1e12)
     finally:
         streamed.cuda = False
-    nbytes = {g: _slice_state_bytes(streamed, streamed.groups[g]) for g in slices
-              if streamed.groups[g].streams}
+    nbytes = {g: _slot_bytes(streamed.groups[g]) for g in slices if streamed.groups[g].streams}
     per_byte = sorted(1.0 / n for n in nbytes.values())[len(nbytes) // 2]   # ms per byte, in
     assert times.kept == [g not in nbytes for g in slices]
     for g, i, o in zip(slices, times.in_ms, times.out_ms):
